@@ -1,0 +1,107 @@
+"""One result type and one status enum for every iterative solver."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+
+class Status(enum.IntEnum):
+    """Why a solve stopped. `Status(int(solution.status)).message` explains it."""
+
+    CONVERGED = 0
+    MAX_STEPS = 1
+    INDEFINITE = 2
+    BREAKDOWN = 3
+    NONFINITE = 4
+    STAGNATION = 5
+
+    @property
+    def message(self) -> str:
+        return _MESSAGES[self]
+
+
+_MESSAGES = {
+    Status.CONVERGED: "converged: the true residual meets max(atol, rtol * ||b||)",
+    Status.MAX_STEPS: "not converged: the iteration limit was reached first; "
+    "raise `max_steps`/`max_restarts`, loosen the tolerance or precondition",
+    Status.INDEFINITE: "breakdown: non-positive curvature <p, A p> <= 0 or <r, M r> <= 0; "
+    "the operator or the preconditioner is not Hermitian positive definite",
+    Status.BREAKDOWN: "breakdown: the Krylov space became invariant before the tolerance was met; "
+    "the operator is singular or the system inconsistent",
+    Status.NONFINITE: "non-finite values (NaN or Inf) appeared in the right-hand side, "
+    "the operator, the preconditioner or the iterates",
+    Status.STAGNATION: "not converged: the recursively updated residual met the tolerance "
+    "but the true residual b - A x did not (loss of accuracy); loosen `rtol`",
+}
+
+
+#: Loop-internal marker: the iteration has not decided yet (never returned).
+RUNNING = jnp.int32(-1)
+
+
+class Solution(NamedTuple):
+    """The result of an iterative solve (a pytree: usable under `jit`/`vmap`).
+
+    Attributes:
+        x: the approximate solution, with the structure and shardings of `b`.
+        status: a `Status` code (int32 array; one per batch element under `vmap`).
+        converged: `status == Status.CONVERGED`; true only if the *true* residual
+            `||b - A x||` meets `max(atol, rtol * ||b||)`.
+        iterations: Krylov iterations taken (CG steps; Arnoldi steps for GMRES).
+        residual_norm: the true residual norm `||b - A x||` at return.
+    """
+
+    x: PyTree
+    status: Any
+    converged: Any
+    iterations: Any
+    residual_norm: Any
+
+    @property
+    def message(self) -> str:
+        """Host-side, human-readable status (concrete values only)."""
+        codes = np.atleast_1d(np.asarray(self.status))
+        return "; ".join(sorted({Status(int(c)).message for c in codes}))
+
+    def check(self) -> Solution:
+        """Host-side: return `self` if every solve converged, else raise `RuntimeError`."""
+        if not bool(np.all(np.asarray(self.converged))):
+            raise RuntimeError(f"solvax: solve did not converge: {self.message}")
+        return self
+
+
+def final_status(loop_status, true_ok, true_norm):
+    """The one rule turning a loop's state and the true residual into a `Status`.
+
+    Args:
+        loop_status: what the iteration ended on (`CONVERGED` if its own
+            residual test passed, a breakdown code, or `RUNNING` if it ran out
+            of steps).
+        true_ok: the true residual meets the tolerance.
+        true_norm: the true residual norm.
+    """
+    code = lambda s: jnp.int32(int(s))  # noqa: E731
+    nonfinite = (loop_status == code(Status.NONFINITE)) | ~jnp.isfinite(true_norm)
+    failed = jnp.where(loop_status == code(Status.CONVERGED), code(Status.STAGNATION),
+                       jnp.where(loop_status == RUNNING, code(Status.MAX_STEPS), loop_status))
+    return jnp.where(nonfinite, code(Status.NONFINITE),
+                     jnp.where(true_ok, code(Status.CONVERGED), failed))
+
+
+def make_solution(x, loop_status, iterations, true_norm, tol) -> Solution:
+    """Assemble a `Solution` from the true residual norm and the tolerance."""
+    true_ok = jnp.isfinite(true_norm) & (true_norm <= tol)
+    status = final_status(loop_status, true_ok, true_norm)
+    return Solution(
+        x=x,
+        status=status,
+        converged=status == int(Status.CONVERGED),
+        iterations=jnp.asarray(iterations, jnp.int32),
+        residual_norm=true_norm,
+    )

@@ -1,0 +1,102 @@
+"""Leaf-wise vector algebra on pytrees.
+
+Every function here acts on each leaf separately and never ravels, reshapes to
+1-D or concatenates leaves, so each leaf keeps its own sharding. Reductions
+(inner products, norms) live in `_reduce.py`, not here.
+
+A *basis* is a pytree whose leaves carry one extra leading axis of length m
+(the basis index); it is allocated from an operand so every leaf inherits that
+operand's sharding on the trailing axes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+MatVec = Callable[[PyTree], PyTree]
+
+tree_map = jax.tree_util.tree_map
+
+
+def zeros_like(x: PyTree) -> PyTree:
+    return tree_map(jnp.zeros_like, x)
+
+
+def add(x: PyTree, y: PyTree) -> PyTree:
+    return tree_map(jnp.add, x, y)
+
+
+def sub(x: PyTree, y: PyTree) -> PyTree:
+    return tree_map(jnp.subtract, x, y)
+
+
+def scale(a, x: PyTree) -> PyTree:
+    """`a * x` for a scalar `a`, cast to each leaf's dtype."""
+    return tree_map(lambda leaf: (a * leaf).astype(leaf.dtype), x)
+
+
+def axpy(a, x: PyTree, y: PyTree) -> PyTree:
+    """`a * x + y` for a scalar `a`."""
+    return tree_map(lambda u, v: (a * u + v).astype(v.dtype), x, y)
+
+
+def where(pred, x: PyTree, y: PyTree) -> PyTree:
+    """Select `x` where the scalar `pred` holds, else `y` (leaf by leaf)."""
+    return tree_map(lambda u, v: jnp.where(pred, u, v), x, y)
+
+
+def cast(x: PyTree, dtype) -> PyTree:
+    return tree_map(lambda leaf: leaf.astype(dtype), x)
+
+
+def all_finite(x: PyTree):
+    """One boolean: every entry of every leaf is finite. Local work only when
+    used on values that are already reduced; on vectors it costs a reduction,
+    so solvers test reduced scalars instead."""
+    leaves = jax.tree_util.tree_leaves(x)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+
+
+def result_dtype(x: PyTree):
+    """The common dtype of all leaves (at least float32)."""
+    return jnp.result_type(*jax.tree_util.tree_leaves(x), jnp.float32)
+
+
+def size(x: PyTree) -> int:
+    """Total number of entries over all leaves (static)."""
+    return sum(int(leaf.size) for leaf in jax.tree_util.tree_leaves(x))
+
+
+# ---------------------------------------------------------------- bases
+
+def basis_alloc(x: PyTree, m: int) -> PyTree:
+    """A basis of `m` zero vectors shaped like `x`: leaves `(m, *leaf.shape)`."""
+    return tree_map(lambda leaf: jnp.broadcast_to(jnp.zeros_like(leaf), (m, *leaf.shape)), x)
+
+
+def basis_get(basis: PyTree, j) -> PyTree:
+    """Vector `j` of the basis."""
+    return tree_map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, j, 0, keepdims=False), basis)
+
+
+def basis_set(basis: PyTree, j, x: PyTree) -> PyTree:
+    """The basis with vector `j` replaced by `x`."""
+    return tree_map(
+        lambda leaf, v: jax.lax.dynamic_update_index_in_dim(leaf, v.astype(leaf.dtype), j, 0),
+        basis,
+        x,
+    )
+
+
+def basis_combine(basis: PyTree, coeffs) -> PyTree:
+    """`sum_j coeffs[j] * basis[j]`: a contraction over the basis axis only."""
+
+    def combine(leaf):
+        c = coeffs.astype(jnp.result_type(leaf.dtype, coeffs.dtype))
+        return jnp.tensordot(c, leaf, axes=(0, 0)).astype(leaf.dtype)
+
+    return tree_map(combine, basis)

@@ -1,0 +1,151 @@
+"""Batched tridiagonal solves along the leading axis."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+from . import _checks
+
+METHODS = ("auto", "thomas", "lax")
+
+
+def _shift_down(x):
+    """`y[j] = x[j - 1]`, `y[0] = 0` along the leading axis."""
+    return jnp.pad(x[:-1], [(1, 0)] + [(0, 0)] * (x.ndim - 1))
+
+
+def _shift_up(x):
+    """`y[j] = x[j + 1]`, `y[-1] = 0` along the leading axis."""
+    return jnp.pad(x[1:], [(0, 1)] + [(0, 0)] * (x.ndim - 1))
+
+
+def _expand(band, ndim):
+    """Append unit axes so a band broadcasts against an `ndim`-dimensional rhs."""
+    return lax.expand_dims(band, tuple(range(band.ndim, ndim))) if band.ndim < ndim else band
+
+
+def _matvec(lower, diag, upper, x):
+    lower, diag, upper = (_expand(band, x.ndim) for band in (lower, diag, upper))
+    return lower * _shift_down(x) + diag * x + upper * _shift_up(x)
+
+
+def _transposed(lower, diag, upper):
+    """Bands of `A^T`: `lower'[j] = upper[j - 1]`, `upper'[j] = lower[j + 1]`."""
+    return _shift_down(upper), diag, _shift_up(lower)
+
+
+def _thomas(lower, diag, upper, rhs):
+    """Thomas elimination with `lax.scan`: forward sweep, then back substitution."""
+    lower, diag, upper = (_expand(band, rhs.ndim) for band in (lower, diag, upper))
+    dtype = rhs.dtype
+    zero = jnp.zeros(jnp.broadcast_shapes(upper.shape[1:], rhs.shape[1:]), dtype)
+
+    def forward(carry, row):
+        c_prev, y_prev = carry
+        l, d, u, r = row
+        denom = d - l * c_prev
+        c = u / denom
+        y = (r - l * y_prev) / denom
+        return (c, y), (c, y)
+
+    _, (c, y) = lax.scan(forward, (zero, zero), (lower, diag, upper, rhs))
+
+    def backward(x_next, row):
+        c_j, y_j = row
+        x = y_j - c_j * x_next
+        return x, x
+
+    _, x = lax.scan(backward, zero, (c, y), reverse=True)
+    return x.astype(dtype)
+
+
+def _lax(lower, diag, upper, rhs):
+    """`lax.linalg.tridiagonal_solve` (LAPACK gtsv / cuSPARSE) in our layout."""
+    lower = lower.at[0].set(0)
+    upper = upper.at[-1].set(0)
+    if lower.ndim == 1 and rhs.ndim <= 2:  # one matrix, the trailing axis are its rhs
+        b = rhs if rhs.ndim == 2 else rhs[:, None]
+        x = lax.linalg.tridiagonal_solve(lower, diag, upper, b)
+        return x if rhs.ndim == 2 else x[:, 0]
+    # One matrix per batch entry: move the system axis last (local transposes only).
+    bands = [jnp.moveaxis(jnp.broadcast_to(_expand(band, rhs.ndim), rhs.shape), 0, -1)
+             for band in (lower, diag, upper)]
+    x = lax.linalg.tridiagonal_solve(*bands, jnp.moveaxis(rhs, 0, -1)[..., None])
+    return jnp.moveaxis(x[..., 0], -1, 0)
+
+
+def _check_bands(lower, diag, upper, rhs):
+    for name, band in (("lower", lower), ("diag", diag), ("upper", upper), ("rhs", rhs)):
+        _checks.check_vector(name, band)
+    shapes = {name: tuple(band.shape) for name, band in
+              (("lower", lower), ("diag", diag), ("upper", upper))}
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"`lower`, `diag` and `upper` must have the same shape; got {shapes}.")
+    shape = shapes["diag"]
+    if len(shape) == 0 or shape[0] < 1:
+        raise ValueError(f"The bands need a leading system axis of length >= 1; got shape {shape}.")
+    if tuple(rhs.shape[: len(shape)]) != shape:
+        raise ValueError(
+            f"`rhs` of shape {tuple(rhs.shape)} must start with the bands' shape {shape}: the "
+            "system lies on the leading axis and any further `rhs` axes are independent "
+            "right-hand sides (give bands of shape (n,) to share one matrix).")
+
+
+def tridiagonal_solve(lower, diag, upper, rhs, *, method: str = "auto"):
+    """Solve tridiagonal systems along the leading axis, batched over trailing axes.
+
+    Row `j` reads `lower[j] x[j-1] + diag[j] x[j] + upper[j] x[j+1] = rhs[j]`;
+    `lower[0]` and `upper[-1]` are ignored. The bands have shape `(n, *B)`,
+    a prefix of `rhs.shape = (n, *B, *K)`: each index of `B` is its own matrix,
+    each index of `K` another right-hand side for it. Every trailing axis is
+    independent, so sharding any of them costs no communication.
+
+    Thomas algorithm (no pivoting; stable for diagonally dominant or SPD
+    matrices): `c'_j = u_j / (d_j - l_j c'_{j-1})`,
+    `y_j = (r_j - l_j y_{j-1}) / (d_j - l_j c'_{j-1})`, then
+    `x_j = y_j - c'_j x_{j+1}`.
+
+    Differentiable with respect to all four inputs (`grad`, `jvp`, `vmap`)
+    through `lax.custom_linear_solve`: the tangent is one more solve, and the
+    adjoint is one solve with the transposed bands
+    (`lower'[j] = upper[j-1]`, `upper'[j] = lower[j+1]`), columnwise like the
+    primal, hence collective-free when the batch axes are sharded.
+
+    Args:
+        lower, diag, upper: the bands, each of shape `(n, *B)`, real or complex.
+        rhs: right-hand sides of shape `(n, *B, *K)`.
+        method: `"thomas"` (a `lax.scan`, any dtype/backend), `"lax"`
+            (`lax.linalg.tridiagonal_solve`: LAPACK `gtsv` with partial
+            pivoting on CPU, cuSPARSE on GPU) or `"auto"` (currently `"lax"`).
+
+    Returns:
+        `x` with the shape and dtype of `rhs`.
+
+    Raises:
+        ValueError: bands of different shapes, a band shape that is not a
+            prefix of `rhs.shape`, an empty system or an unknown `method`.
+        TypeError: non-floating inputs.
+
+    Reference: L. H. Thomas, "Elliptic problems in linear difference
+    equations over a network", Watson Sci. Comput. Lab. report (1949).
+    """
+    _checks.check_choice("method", method, METHODS)
+    _check_bands(lower, diag, upper, rhs)
+    dtype = jnp.result_type(lower, diag, upper, rhs)
+    lower, diag, upper, rhs = (jnp.asarray(a, dtype) for a in (lower, diag, upper, rhs))
+    solve = _thomas if method == "thomas" else _lax
+
+    def primal(_, b):
+        return solve(lower, diag, upper, b)
+
+    def transpose(_, b):
+        return solve(*_transposed(lower, diag, upper), b)
+
+    return lax.custom_linear_solve(
+        functools.partial(_matvec, lower, diag, upper), rhs, primal, transpose)
+
+
+__all__ = ["tridiagonal_solve", "METHODS"]
