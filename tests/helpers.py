@@ -1,0 +1,111 @@
+"""Shared test problems, solvers and tolerances."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import solvax as sx
+
+
+def mesh(ndev: int = 8) -> Mesh:
+    return Mesh(np.array(jax.devices()[:ndev]), ("i",))
+
+
+def put(x, m: Mesh, *spec):
+    return jax.device_put(x, NamedSharding(m, P(*spec)))
+
+
+# ----------------------------------------------------------------- problems
+def laplacian_1d(n: int) -> np.ndarray:
+    return 2 * np.eye(n) - np.eye(n, k=1) - np.eye(n, k=-1)
+
+
+def poisson_1d(x):
+    """Dirichlet 1-D Laplacian along the leading axis (no flattening)."""
+    pad = [(1, 1)] + [(0, 0)] * (x.ndim - 1)
+    xp = jnp.pad(x, pad)
+    return 2 * x - xp[:-2] - xp[2:]
+
+
+def poisson_2d(x):
+    """5-point Dirichlet Laplacian on a 2-D grid."""
+    xp = jnp.pad(x, 1)
+    return 4 * x - xp[:-2, 1:-1] - xp[2:, 1:-1] - xp[1:-1, :-2] - xp[1:-1, 2:]
+
+
+def dense_of(matvec, shape, dtype=np.float64) -> np.ndarray:
+    """The dense matrix of a matvec on arrays of `shape` (row-major order)."""
+    n = int(np.prod(shape))
+    cols = jax.vmap(lambda e: matvec(e.reshape(shape)).reshape(-1))(jnp.eye(n, dtype=dtype))
+    return np.asarray(cols).T
+
+
+def convection_diffusion(strength: float = 10.0):
+    """Upwind convection-diffusion on a 2-D grid: -Δu + c ∂u/∂x (nonsymmetric)."""
+
+    def matvec(x):
+        xp = jnp.pad(x, 1)
+        h = 1.0 / (x.shape[0] + 1)
+        return poisson_2d(x) + strength * h * (x - xp[:-2, 1:-1])
+
+    return matvec
+
+
+def random_spd(n: int, seed: int = 0, dtype=np.float64) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((n, n))
+    if np.issubdtype(dtype, np.complexfloating):
+        a = a + 1j * rng.standard_normal((n, n))
+    return (a @ a.conj().T / n + np.eye(n)).astype(dtype)
+
+
+def random_nonsymmetric(n: int, seed: int = 0, dtype=np.float64) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((n, n))
+    if np.issubdtype(dtype, np.complexfloating):
+        a = a + 1j * rng.standard_normal((n, n))
+    return (np.diag(3 + np.arange(n) / n) + 0.5 * a / np.sqrt(n)).astype(dtype)
+
+
+def rhs(shape, seed=1, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    v = rng.standard_normal(shape)
+    if np.issubdtype(dtype, np.complexfloating):
+        v = v + 1j * rng.standard_normal(shape)
+    return jnp.asarray(v.astype(dtype))
+
+
+def rel_err(x, y) -> float:
+    x, y = np.asarray(x), np.asarray(y)
+    return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-300))
+
+
+def tree_rel_err(x, y) -> float:
+    return max(rel_err(a, b) for a, b in zip(jax.tree_util.tree_leaves(x),
+                                             jax.tree_util.tree_leaves(y)))
+
+
+# ------------------------------------------------------------------ solvers
+# Each entry: (name, solve(matvec, b, **kw) -> Solution, handles nonsymmetric?)
+KRYLOV = {
+    "pcg": functools.partial(sx.pcg),
+    "pcg_single_reduction": functools.partial(sx.pcg, single_reduction=True),
+    "pcg_linear_solve": sx.pcg_linear_solve,
+    "gmres": functools.partial(sx.gmres, restart=20),
+    "gmres_restart5": functools.partial(sx.gmres, restart=5),
+}
+SPD_SOLVERS = ["pcg", "pcg_single_reduction", "pcg_linear_solve", "gmres"]
+GENERAL_SOLVERS = ["gmres", "gmres_restart5"]
+
+
+def tolerance(dtype) -> tuple[float, float]:
+    """(solver rtol, check tolerance) for a dtype."""
+    if jnp.dtype(dtype) in (jnp.float32, jnp.complex64):
+        return 1e-5, 1e-3
+    return 1e-10, 1e-7

@@ -1,0 +1,156 @@
+"""Solutions against dense NumPy solves: SPD, nonsymmetric, complex, pytrees, vmap."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import (
+    GENERAL_SOLVERS,
+    KRYLOV,
+    SPD_SOLVERS,
+    dense_of,
+    laplacian_1d,
+    poisson_1d,
+    poisson_2d,
+    random_nonsymmetric,
+    random_spd,
+    rel_err,
+    rhs,
+    tolerance,
+    tree_rel_err,
+)
+
+import solvax as sx
+
+
+def check(sol, x_ref, dtype):
+    _, tol = tolerance(dtype)
+    assert bool(sol.converged), sol.message
+    assert int(sol.status) == sx.Status.CONVERGED
+    assert rel_err(sol.x, x_ref) < tol
+
+
+@pytest.mark.parametrize("name", SPD_SOLVERS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_poisson_1d(name, dtype):
+    n = 40
+    b = rhs(n, dtype=dtype)
+    rtol, _ = tolerance(dtype)
+    sol = jax.jit(lambda b: KRYLOV[name](poisson_1d, b, rtol=rtol))(b)
+    assert sol.x.dtype == dtype
+    check(sol, np.linalg.solve(laplacian_1d(n), np.asarray(b, np.float64)), dtype)
+
+
+@pytest.mark.parametrize("name", SPD_SOLVERS)
+def test_poisson_2d(name):
+    b = rhs((12, 10))
+    sol = KRYLOV[name](poisson_2d, b, rtol=1e-10)
+    A = dense_of(poisson_2d, b.shape)
+    check(sol, np.linalg.solve(A, np.asarray(b).reshape(-1)).reshape(b.shape), np.float64)
+    assert sol.x.shape == b.shape
+
+
+@pytest.mark.parametrize("name", SPD_SOLVERS)
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+def test_complex_hermitian(name, dtype):
+    A = random_spd(30, dtype=dtype)
+    b = rhs(30, dtype=dtype)
+    rtol, _ = tolerance(dtype)
+    sol = KRYLOV[name](lambda x: jnp.asarray(A) @ x, b, rtol=rtol)
+    check(sol, np.linalg.solve(A.astype(np.complex128), np.asarray(b, np.complex128)), dtype)
+
+
+@pytest.mark.parametrize("name", GENERAL_SOLVERS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
+def test_nonsymmetric(name, dtype):
+    A = random_nonsymmetric(40, dtype=dtype)
+    b = rhs(40, dtype=dtype)
+    rtol, _ = tolerance(dtype)
+    sol = KRYLOV[name](lambda x: jnp.asarray(A) @ x, b, rtol=rtol)
+    big = np.complex128 if np.iscomplexobj(A) else np.float64
+    check(sol, np.linalg.solve(A.astype(big), np.asarray(b, big)), dtype)
+
+
+@pytest.mark.parametrize("name", GENERAL_SOLVERS)
+def test_convection_diffusion(name):
+    from helpers import convection_diffusion
+
+    mv = convection_diffusion(10.0)
+    b = rhs((10, 10))
+    sol = KRYLOV[name](mv, b, rtol=1e-10)
+    A = dense_of(mv, b.shape)
+    assert not np.allclose(A, A.T)
+    check(sol, np.linalg.solve(A, np.asarray(b).reshape(-1)).reshape(b.shape), np.float64)
+
+
+def _tree_problem():
+    """A dict/tuple pytree with leaves of different shapes; block-diagonal SPD."""
+    b = {"u": rhs(16, seed=2), "v": (rhs((4, 5), seed=3), rhs((3,), seed=4))}
+    A2 = dense_of(poisson_2d, (4, 5))
+
+    def matvec(x):
+        return {"u": poisson_1d(x["u"]), "v": (poisson_2d(x["v"][0]), 3.0 * x["v"][1])}
+
+    ref = {"u": np.linalg.solve(laplacian_1d(16), b["u"]),
+           "v": (np.linalg.solve(A2, np.asarray(b["v"][0]).reshape(-1)).reshape(4, 5),
+                 np.asarray(b["v"][1]) / 3.0)}
+    return matvec, b, ref
+
+
+@pytest.mark.parametrize("name", SPD_SOLVERS)
+def test_pytree_rhs(name):
+    matvec, b, ref = _tree_problem()
+    sol = KRYLOV[name](matvec, b, rtol=1e-10)
+    assert jax.tree_util.tree_structure(sol.x) == jax.tree_util.tree_structure(b)
+    assert bool(sol.converged)
+    assert tree_rel_err(sol.x, ref) < 1e-7
+
+
+@pytest.mark.parametrize("name", SPD_SOLVERS)
+def test_x0_and_preconditioner(name):
+    n = 50
+    diag = 2.0 + np.arange(n)
+    A = laplacian_1d(n) + np.diag(diag)
+    b = rhs(n)
+    x_ref = np.linalg.solve(A, b)
+    mv = lambda x: jnp.asarray(A) @ x  # noqa: E731
+    plain = KRYLOV[name](mv, b, rtol=1e-10)
+    pre = KRYLOV[name](mv, b, rtol=1e-10, precond=lambda r: r / (diag + 2), x0=0.9 * x_ref)
+    check(pre, x_ref, np.float64)
+    assert int(pre.iterations) < int(plain.iterations)
+
+
+def test_flexible_gmres_with_varying_preconditioner():
+    """The preconditioner is itself an (inexact, nonlinear) CG solve."""
+    A = random_nonsymmetric(30)
+    S = A + A.T + 10 * np.eye(30)
+
+    def precond(v):
+        return sx.pcg(lambda y: jnp.asarray(S) @ y, v, rtol=1e-2).x
+
+    b = rhs(30)
+    sol = sx.gmres(lambda x: jnp.asarray(A) @ x, b, precond=precond, rtol=1e-10, restart=10)
+    check(sol, np.linalg.solve(A, b), np.float64)
+
+
+@pytest.mark.parametrize("name", SPD_SOLVERS)
+def test_vmap_over_rhs(name):
+    n = 20
+    B = jnp.stack([rhs(n, seed=s) for s in range(4)])
+    sols = jax.vmap(lambda b: KRYLOV[name](poisson_1d, b, rtol=1e-10))(B)
+    assert sols.x.shape == (4, n) and sols.status.shape == (4,)
+    ref = np.linalg.solve(laplacian_1d(n), np.asarray(B).T).T
+    assert bool(jnp.all(sols.converged))
+    assert rel_err(sols.x, ref) < 1e-7
+
+
+def test_linear_solve_with_user_solver():
+    A = random_nonsymmetric(20)
+    b = rhs(20)
+
+    def dense_solver(matvec, b):
+        M = jax.jacfwd(matvec)(b)  # any black box
+        return jnp.linalg.solve(M, b)
+
+    x = sx.linear_solve(lambda x: jnp.asarray(A) @ x, b, solver=dense_solver)
+    assert rel_err(x, np.linalg.solve(A, b)) < 1e-10

@@ -1,0 +1,122 @@
+"""Honest diagnostics: every way a solve can end has its own status."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import KRYLOV, SPD_SOLVERS, poisson_1d, rhs
+
+import solvax as sx
+from solvax import Status
+
+ALL = list(KRYLOV)
+
+
+def true_residual(matvec, sol, b):
+    return float(jnp.linalg.norm(b - matvec(sol.x)))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_zero_rhs(name):
+    b = jnp.zeros(12)
+    for x0 in (None, jnp.ones(12)):
+        sol = KRYLOV[name](poisson_1d, b, x0=x0)
+        assert bool(sol.converged) and int(sol.iterations) == 0
+        assert np.all(np.asarray(sol.x) == 0)
+
+
+@pytest.mark.parametrize("name", SPD_SOLVERS)
+def test_max_steps_reports_true_residual(name):
+    n = 60
+    b = rhs(n)
+    kw = dict(max_restarts=1) if name.startswith("gmres") else dict(max_steps=5)
+    sol = KRYLOV[name](poisson_1d, b, rtol=1e-10, **kw)
+    assert int(sol.status) == Status.MAX_STEPS and not bool(sol.converged)
+    assert np.isclose(float(sol.residual_norm), true_residual(poisson_1d, sol, b), rtol=1e-8)
+    assert "iteration limit" in sol.message
+    with pytest.raises(RuntimeError, match="did not converge"):
+        sol.check()
+
+
+@pytest.mark.parametrize("name", SPD_SOLVERS)
+def test_converged_means_true_residual(name):
+    b = rhs(30)
+    sol = KRYLOV[name](poisson_1d, b, rtol=1e-9)
+    assert bool(sol.converged)
+    assert true_residual(poisson_1d, sol, b) <= 1e-9 * float(jnp.linalg.norm(b)) * (1 + 1e-6)
+    assert sol.check() is sol
+
+
+@pytest.mark.parametrize("single_reduction", [False, True])
+def test_pcg_indefinite_operator(single_reduction):
+    d = jnp.asarray(np.r_[np.ones(5), -np.ones(5)])
+    sol = sx.pcg(lambda x: d * x, jnp.ones(10), single_reduction=single_reduction)
+    assert int(sol.status) == Status.INDEFINITE and not bool(sol.converged)
+    assert np.all(np.isfinite(np.asarray(sol.x)))
+
+
+@pytest.mark.parametrize("single_reduction", [False, True])
+def test_pcg_indefinite_preconditioner(single_reduction):
+    sol = sx.pcg(poisson_1d, rhs(10), precond=lambda r: -r, single_reduction=single_reduction)
+    assert int(sol.status) == Status.INDEFINITE
+    assert "positive definite" in sol.message
+
+
+def test_pcg_loss_of_accuracy_is_not_converged():
+    """float32 CG asked for 1e-12: the recursive residual gets there, the true one cannot."""
+    n = 64
+    b = rhs(n, dtype=np.float32)
+    for sr in (False, True):
+        sol = sx.pcg(poisson_1d, b, rtol=1e-12, single_reduction=sr, max_steps=2000)
+        assert not bool(sol.converged)
+        assert int(sol.status) in (Status.STAGNATION, Status.MAX_STEPS)
+    sol = sx.pcg(poisson_1d, b, rtol=1e-12)
+    assert int(sol.status) == Status.STAGNATION, sol.message
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("where", ["rhs", "operator"])
+def test_nonfinite(name, where):
+    b = rhs(10)
+    mv = poisson_1d
+    if where == "rhs":
+        b = b.at[3].set(jnp.nan)
+    else:
+        mv = lambda x: poisson_1d(x) * jnp.where(jnp.arange(10) == 4, jnp.inf, 1.0)  # noqa: E731
+    sol = KRYLOV[name](mv, b)
+    assert int(sol.status) == Status.NONFINITE and not bool(sol.converged)
+
+
+def test_gmres_singular_inconsistent_system():
+    n = 30
+    d = jnp.asarray(np.r_[np.arange(1.0, n), 0.0])
+    sol = sx.gmres(lambda x: d * x, jnp.ones(n), restart=10)
+    assert int(sol.status) == Status.BREAKDOWN and not bool(sol.converged)
+    x = np.asarray(sol.x)
+    assert np.all(np.isfinite(x)) and np.abs(x).max() < 1e3  # no blow-up
+    # the least-squares part is solved: the residual is the null-space component
+    assert abs(float(sol.residual_norm) - 1.0) < 1e-6
+
+
+def test_gmres_singular_consistent_system_converges():
+    n = 30
+    d = jnp.asarray(np.r_[np.arange(1.0, n), 0.0])
+    b = jnp.ones(n).at[-1].set(0.0)
+    sol = sx.gmres(lambda x: d * x, b, restart=40)
+    assert bool(sol.converged), sol.message
+
+
+def test_gmres_happy_breakdown():
+    """b spans a 3-dimensional invariant subspace: exact after 3 steps."""
+    d = jnp.asarray(np.r_[np.full(10, 2.0), np.full(10, 3.0), np.full(10, 5.0)])
+    sol = sx.gmres(lambda x: d * x, jnp.ones(30), restart=20, rtol=1e-14)
+    assert bool(sol.converged) and int(sol.iterations) == 3
+
+
+def test_status_messages_and_codes():
+    for s in Status:
+        assert isinstance(s.message, str) and s.message
+    assert Status.CONVERGED == 0
+    sols = jax.vmap(lambda b: sx.pcg(poisson_1d, b, max_steps=3))(jnp.stack([rhs(20), 0 * rhs(20)]))
+    assert list(np.asarray(sols.status)) == [Status.MAX_STEPS, Status.CONVERGED]
+    assert "converged" in sols.message and "iteration limit" in sols.message

@@ -1,0 +1,126 @@
+"""Batched tridiagonal solves against dense solves, with derivatives."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import rel_err
+
+import solvax as sx
+
+METHODS = ["thomas", "lax", "auto"]
+
+
+def bands(shape, dtype=np.float64, seed=0):
+    rng = np.random.default_rng(seed)
+
+    def draw(scale=1.0):
+        v = rng.standard_normal(shape) * scale
+        if np.issubdtype(dtype, np.complexfloating):
+            v = v + 1j * rng.standard_normal(shape) * scale
+        return v.astype(dtype)
+
+    lower, upper = draw(), draw()
+    diag = draw(0.3) + 4.0  # diagonally dominant
+    return jnp.asarray(lower), jnp.asarray(diag), jnp.asarray(upper)
+
+
+def dense(lower, diag, upper):
+    """Dense matrices, batch axes last -> shape (*B, n, n)."""
+    l, d, u = (np.moveaxis(np.asarray(a), 0, -1) for a in (lower, diag, upper))
+    n = d.shape[-1]
+    A = np.zeros(d.shape + (n,), d.dtype)
+    idx = np.arange(n)
+    A[..., idx, idx] = d
+    A[..., idx[1:], idx[:-1]] = l[..., 1:]
+    A[..., idx[:-1], idx[1:]] = u[..., :-1]
+    return A
+
+
+def reference(lower, diag, upper, rhs):
+    A = dense(lower, diag, upper)  # (*B, n, n)
+    r = np.asarray(rhs)
+    nb = lower.ndim - 1
+    r = np.moveaxis(r, 0, nb)  # (*B, n, *K)
+    k_shape = r.shape[nb + 1:]
+    r2 = r.reshape(r.shape[: nb + 1] + (-1,))
+    x = np.linalg.solve(A, r2).reshape(r.shape)
+    return np.moveaxis(x, nb, 0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
+@pytest.mark.parametrize("band_shape,rhs_shape", [
+    ((17,), (17,)), ((17,), (17, 5)), ((17, 4), (17, 4)), ((17, 4), (17, 4, 3)), ((1,), (1, 2))])
+def test_solve(method, dtype, band_shape, rhs_shape):
+    lower, diag, upper = bands(band_shape, dtype)
+    rhs = jnp.asarray(np.random.default_rng(1).standard_normal(rhs_shape).astype(dtype))
+    x = jax.jit(lambda *a: sx.tridiagonal_solve(*a, method=method))(lower, diag, upper, rhs)
+    assert x.shape == rhs.shape and x.dtype == dtype
+    tol = 1e-4 if dtype in (np.float32, np.complex64) else 1e-12
+    assert rel_err(x, reference(lower, diag, upper, rhs)) < tol
+
+
+def test_corner_entries_ignored():
+    lower, diag, upper = bands((9,))
+    rhs = jnp.ones(9)
+    x1 = sx.tridiagonal_solve(lower, diag, upper, rhs)
+    x2 = sx.tridiagonal_solve(lower.at[0].set(1e3), diag, upper.at[-1].set(-7.0), rhs)
+    assert rel_err(x1, x2) < 1e-15
+
+
+@pytest.mark.parametrize("method", ["thomas", "lax"])
+@pytest.mark.parametrize("dtype", [np.float64, np.complex128])
+def test_grad_all_inputs(method, dtype):
+    lower, diag, upper = bands((11, 3), dtype)
+    rhs = jnp.asarray(np.random.default_rng(2).standard_normal((11, 3)).astype(dtype))
+
+    def loss(solve, *args):
+        return jnp.sum(jnp.abs(solve(*args)) ** 2)
+
+    def via_dense(l, d, u, r):
+        n = d.shape[0]
+        idx = jnp.arange(n)
+        A = jnp.zeros((3, n, n), d.dtype)
+        A = A.at[:, idx, idx].set(d.T).at[:, idx[1:], idx[:-1]].set(l[1:].T)
+        A = A.at[:, idx[:-1], idx[1:]].set(u[:-1].T)
+        return jnp.linalg.solve(A, r.T[..., None])[..., 0].T
+
+    ours = jax.grad(lambda *a: loss(lambda *b: sx.tridiagonal_solve(*b, method=method), *a),
+                    argnums=(0, 1, 2, 3))(lower, diag, upper, rhs)
+    ref = jax.grad(lambda *a: loss(via_dense, *a), argnums=(0, 1, 2, 3))(lower, diag, upper, rhs)
+    for g, r in zip(ours, ref):
+        assert rel_err(g, r) < 1e-10
+    assert float(jnp.abs(ours[0][0]).max()) == 0.0  # lower[0] unused
+    assert float(jnp.abs(ours[2][-1]).max()) == 0.0  # upper[-1] unused
+
+
+@pytest.mark.parametrize("method", ["thomas", "lax"])
+def test_jvp_and_vmap(method):
+    lower, diag, upper = bands((13,))
+    rhs = jnp.asarray(np.random.default_rng(3).standard_normal(13))
+    tangents = bands((13,), seed=5) + (jnp.ones(13),)
+
+    def f(*a):
+        return sx.tridiagonal_solve(*a, method=method)
+
+    def f_dense(l, d, u, r):
+        A = jnp.diag(d) + jnp.diag(l[1:], -1) + jnp.diag(u[:-1], 1)
+        return jnp.linalg.solve(A, r)
+
+    _, t = jax.jvp(f, (lower, diag, upper, rhs), tangents)
+    _, t_ref = jax.jvp(f_dense, (lower, diag, upper, rhs), tangents)
+    assert rel_err(t, t_ref) < 1e-12
+    R = jnp.stack([rhs, 2 * rhs, -rhs])
+    xs = jax.vmap(lambda r: f(lower, diag, upper, r))(R)
+    assert rel_err(xs, jax.vmap(lambda r: f_dense(lower, diag, upper, r))(R)) < 1e-12
+
+
+def test_adjoint_is_transposed_tridiagonal_solve():
+    lower, diag, upper = bands((10,))
+    rhs = jnp.ones(10)
+    ct = jnp.asarray(np.random.default_rng(4).standard_normal(10))
+    _, vjp = jax.vjp(lambda r: sx.tridiagonal_solve(lower, diag, upper, r), rhs)
+    (rbar,) = vjp(ct)
+    A = dense(lower, diag, upper)
+    assert rel_err(rbar, np.linalg.solve(A.T, ct)) < 1e-12
