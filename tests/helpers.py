@@ -109,3 +109,27 @@ def tolerance(dtype) -> tuple[float, float]:
     if jnp.dtype(dtype) in (jnp.float32, jnp.complex64):
         return 1e-5, 1e-3
     return 1e-10, 1e-7
+
+
+def count_primitives(closed_jaxpr, prefix: str) -> int:
+    """Occurrences of primitives whose name starts with `prefix`, in nested jaxprs too."""
+
+    def subjaxprs(value):
+        if hasattr(value, "eqns"):
+            yield value
+        elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+            yield value.jaxpr
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                yield from subjaxprs(v)
+
+    def walk(jaxpr):
+        n = 0
+        for eqn in jaxpr.eqns:
+            n += eqn.primitive.name.startswith(prefix)
+            for value in eqn.params.values():
+                for sub in subjaxprs(value):
+                    n += walk(sub)
+        return n
+
+    return walk(closed_jaxpr.jaxpr)

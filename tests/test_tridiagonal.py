@@ -42,7 +42,6 @@ def reference(lower, diag, upper, rhs):
     r = np.asarray(rhs)
     nb = lower.ndim - 1
     r = np.moveaxis(r, 0, nb)  # (*B, n, *K)
-    k_shape = r.shape[nb + 1:]
     r2 = r.reshape(r.shape[: nb + 1] + (-1,))
     x = np.linalg.solve(A, r2).reshape(r.shape)
     return np.moveaxis(x, nb, 0)

@@ -13,8 +13,10 @@ PyTree = Any
 
 
 def _describe(tree: PyTree) -> str:
-    return str(jax.tree_util.tree_map(lambda leaf: f"{jnp.dtype(leaf.dtype).name}{list(leaf.shape)}",
-                                      tree))
+    def one(leaf):
+        return f"{jnp.dtype(leaf.dtype).name}{list(leaf.shape)}"
+
+    return str(jax.tree_util.tree_map(one, tree))
 
 
 def check_vector(name: str, tree: PyTree) -> None:

@@ -11,7 +11,8 @@ whether XLA's all-reduce combiner would have merged separate sums.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -42,7 +43,12 @@ _MESSAGES = {
 
 
 #: Loop-internal marker: the iteration has not decided yet (never returned).
-RUNNING = jnp.int32(-1)
+RUNNING = -1
+
+
+def code(status) -> jax.Array:
+    """A status (or `RUNNING`) as an int32 scalar, created at trace time."""
+    return jnp.int32(int(status))
 
 
 class Solution(NamedTuple):
@@ -86,7 +92,6 @@ def final_status(loop_status, true_ok, true_norm):
         true_ok: the true residual meets the tolerance.
         true_norm: the true residual norm.
     """
-    code = lambda s: jnp.int32(int(s))  # noqa: E731
     nonfinite = (loop_status == code(Status.NONFINITE)) | ~jnp.isfinite(true_norm)
     failed = jnp.where(loop_status == code(Status.CONVERGED), code(Status.STAGNATION),
                        jnp.where(loop_status == RUNNING, code(Status.MAX_STEPS), loop_status))

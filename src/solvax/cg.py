@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +12,8 @@ from jax import lax
 
 from . import _checks, _reduce
 from . import _tree as tree
-from ._solution import RUNNING, Solution, Status, make_solution
-from .linear_solve import linear_solve
+from ._solution import RUNNING, Solution, Status, code, make_solution
+from .linear_solve import implicit_solve
 
 PyTree = Any
 
@@ -28,9 +29,6 @@ class _State(NamedTuple):
     k: jax.Array  # steps taken
     status: jax.Array  # RUNNING until the loop decides
 
-
-def _code(status) -> jax.Array:
-    return jnp.int32(int(status))
 
 
 def _safe_div(num, den):
@@ -49,17 +47,17 @@ def _top_of_step(state: _State, rr, gamma, rtol, atol, tol_from_rr: bool):
     else:
         tol2 = state.tol2
     status = jnp.where(
-        ~(jnp.isfinite(rr) & jnp.isfinite(gamma)), _code(Status.NONFINITE),
-        jnp.where(rr <= tol2, _code(Status.CONVERGED),
-                  jnp.where(gamma <= 0, _code(Status.INDEFINITE), state.status)))
+        ~(jnp.isfinite(rr) & jnp.isfinite(gamma)), code(Status.NONFINITE),
+        jnp.where(rr <= tol2, code(Status.CONVERGED),
+                  jnp.where(gamma <= 0, code(Status.INDEFINITE), state.status)))
     return tol2, status, status == RUNNING
 
 
 def _step_status(status, curvature, go):
     """Mark non-positive (or non-finite) curvature `<p, A p>` during a step."""
     bad = go & ~(curvature > 0)
-    code = jnp.where(jnp.isfinite(curvature), _code(Status.INDEFINITE), _code(Status.NONFINITE))
-    return jnp.where(bad, code, status), go & ~bad
+    failure = jnp.where(jnp.isfinite(curvature), code(Status.INDEFINITE), code(Status.NONFINITE))
+    return jnp.where(bad, failure, status), go & ~bad
 
 
 def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, single_reduction, ip):
@@ -81,8 +79,9 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, single_reductio
             r = tree.where(zero_b, b, tree.sub(b, matvec(x0)))
             tol2 = tol * tol
     one = jnp.ones((), real)
-    state = _State(x=x, r=r, p=tree.zeros_like(b), s=tree.zeros_like(b) if single_reduction else None,
-                   gamma=one, alpha=one, tol2=tol2, k=jnp.int32(0), status=RUNNING)
+    state = _State(x=x, r=r, p=tree.zeros_like(b),
+                   s=tree.zeros_like(b) if single_reduction else None, gamma=one, alpha=one,
+                   tol2=tol2, k=jnp.int32(0), status=code(RUNNING))
     top = functools.partial(_top_of_step, rtol=rtol, atol=atol, tol_from_rr=x0 is None)
 
     def standard(st: _State) -> _State:
@@ -214,12 +213,12 @@ def pcg(
     ip = _reduce.resolve(inner_product, axis_name)
     options = dict(precond=precond, rtol=rtol, atol=atol, max_steps=max_steps,
                    single_reduction=single_reduction, ip=ip)
-    return linear_solve(
+    return implicit_solve(
         matvec,
         b,
-        solver=functools.partial(_pcg_solve, x0=x0, **options),
+        functools.partial(_pcg_solve, x0=x0, **options),
         # A^T = conj(A) is HPD too; its solve starts from zero, not the primal's x0.
-        transpose_solver=functools.partial(_pcg_solve, x0=None, **options),
+        functools.partial(_pcg_solve, x0=None, **options),
         symmetric=_checks.is_real(b),
     )
 

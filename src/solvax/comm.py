@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -87,7 +88,8 @@ class CollectiveReport:
 
     def __str__(self) -> str:
         rows = [("kind", "instructions", "bytes")]
-        rows += [(k, str(self.by_kind[k]), str(self.bytes_by_kind[k])) for k in sorted(self.by_kind)]
+        rows += [(k, str(self.by_kind[k]), str(self.bytes_by_kind[k]))
+                 for k in sorted(self.by_kind)]
         width = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = [f"collectives: total {self.total}, setup {self.setup}, "
                  f"per iteration {self.per_iteration} ({self.bytes_per_iteration} bytes)"]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +13,8 @@ from jax.scipy.linalg import solve_triangular
 
 from . import _checks, _reduce
 from . import _tree as tree
-from ._solution import RUNNING, Solution, Status, make_solution
-from .linear_solve import linear_solve
+from ._solution import RUNNING, Solution, Status, code, make_solution
+from .linear_solve import implicit_solve
 
 PyTree = Any
 
@@ -42,9 +43,6 @@ class _Outer(NamedTuple):
     tol: jax.Array
     anorm: jax.Array
 
-
-def _code(status) -> jax.Array:
-    return jnp.int32(int(status))
 
 
 def _givens(a, b):
@@ -102,10 +100,10 @@ def _arnoldi_step(cy: _Cycle, *, matvec, precond, ip, m, tol, tiny):
     happy = hnext <= scale  # the Krylov space is invariant
     accept = finite & ~singular
     flag = jnp.where(
-        ~finite, _code(Status.NONFINITE),
-        jnp.where(singular, _code(Status.BREAKDOWN),
-                  jnp.where(estimate <= tol, _code(Status.CONVERGED),
-                            jnp.where(happy, _code(Status.BREAKDOWN), RUNNING))))
+        ~finite, code(Status.NONFINITE),
+        jnp.where(singular, code(Status.BREAKDOWN),
+                  jnp.where(estimate <= tol, code(Status.CONVERGED),
+                            jnp.where(happy, code(Status.BREAKDOWN), RUNNING))))
     column = h[:m].at[j].set(rjj)
     v_next = tree.scale(1.0 / jnp.where(happy, 1.0, hnext), w)
     return _Cycle(
@@ -142,16 +140,17 @@ def _gmres_solve(matvec, b, *, x0, precond, restart, max_restarts, rtol, atol, i
         zero_b = bb == 0  # b = 0: the answer is exactly 0, whatever x0
         beta = jnp.where(zero_b, 0, beta)
         status = jnp.where(
-            ~(jnp.isfinite(rr) & jnp.isfinite(bb)), _code(Status.NONFINITE),
-            jnp.where(beta <= tol, _code(Status.CONVERGED),
-                      jnp.where(st.broke, _code(Status.BREAKDOWN), RUNNING)))
+            ~(jnp.isfinite(rr) & jnp.isfinite(bb)), code(Status.NONFINITE),
+            jnp.where(beta <= tol, code(Status.CONVERGED),
+                      jnp.where(st.broke, code(Status.BREAKDOWN), RUNNING)))
         go = (status == RUNNING) & (st.restarts < max_restarts)
 
         v0 = tree.scale(1.0 / jnp.where(beta == 0, 1.0, beta), r)
         cy = _Cycle(V=tree.basis_set(basis_V, 0, v0), Z=basis_Z,
                     R=jnp.eye(m, dtype=dtype), cs=jnp.ones((m,), real),
                     sn=jnp.zeros((m,), dtype), g=jnp.zeros((m + 1,), dtype).at[0].set(beta),
-                    j=jnp.int32(0), anorm=st.anorm, flag=jnp.where(go, RUNNING, _code(Status.MAX_STEPS)))
+                    j=jnp.int32(0), anorm=st.anorm,
+                    flag=jnp.where(go, RUNNING, code(Status.MAX_STEPS)))
         cy = lax.while_loop(lambda c: (c.flag == RUNNING) & (c.j < m),
                             functools.partial(step, tol=tol), cy)
 
@@ -163,15 +162,15 @@ def _gmres_solve(matvec, b, *, x0, precond, restart, max_restarts, rtol, atol, i
         x = tree.where(zero_b, tree.zeros_like(b), tree.add(st.x, update))
         # After a cycle the next pass checks the true residual; with no cycle run,
         # this pass was that check and the loop ends (out of restarts if undecided).
-        status = jnp.where(go, jnp.where(cy.flag == _code(Status.NONFINITE), cy.flag, RUNNING),
-                           jnp.where(status == RUNNING, _code(Status.MAX_STEPS), status))
+        status = jnp.where(go, jnp.where(cy.flag == code(Status.NONFINITE), cy.flag, RUNNING),
+                           jnp.where(status == RUNNING, code(Status.MAX_STEPS), status))
         return _Outer(x=x, k=st.k + cy.j, restarts=st.restarts + go.astype(jnp.int32),
                       status=status,
-                      broke=cy.flag == _code(Status.BREAKDOWN),
+                      broke=cy.flag == code(Status.BREAKDOWN),
                       rnorm=beta, tol=tol, anorm=cy.anorm)
 
     x = tree.zeros_like(b) if x0 is None else x0
-    state = _Outer(x=x, k=jnp.int32(0), restarts=jnp.int32(0), status=RUNNING,
+    state = _Outer(x=x, k=jnp.int32(0), restarts=jnp.int32(0), status=code(RUNNING),
                    broke=jnp.bool_(False), rnorm=jnp.asarray(jnp.inf, real),
                    tol=jnp.zeros((), real), anorm=jnp.zeros((), real))
     # Each pass starts with the true residual; a pass with nothing left to do
@@ -249,9 +248,10 @@ def gmres(
     ip = _reduce.resolve(inner_product, axis_name)
     options = dict(precond=precond, restart=restart, max_restarts=max_restarts,
                    rtol=rtol, atol=atol, ip=ip)
-    return linear_solve(
+    return implicit_solve(
         matvec,
         b,
-        solver=functools.partial(_gmres_solve, x0=x0, **options),
-        transpose_solver=functools.partial(_gmres_solve, x0=None, **options),
+        functools.partial(_gmres_solve, x0=x0, **options),
+        functools.partial(_gmres_solve, x0=None, **options),
+        symmetric=False,
     )

@@ -2,27 +2,84 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
+import numpy as np
 
 from . import _checks
+from . import _tree as tree
 from ._solution import Solution
 
 PyTree = Any
 Solver = Callable[[Callable[[PyTree], PyTree], PyTree], Any]
 
 
-def _split(solver: Solver) -> Callable:
-    """Adapt `solver` to `custom_linear_solve(..., has_aux=True)`: `(x, aux)`."""
+def _solution_of(out) -> PyTree:
+    return out.x if isinstance(out, Solution) else out
 
-    def solve(matvec, rhs):
-        out = solver(matvec, rhs)
+
+def _no_tangent(value):
+    """The tangent of a non-differentiable output: zeros (float0 for integers/bools)."""
+    if jax.numpy.issubdtype(value.dtype, jax.numpy.inexact):
+        return jax.numpy.zeros_like(value)
+    return np.zeros(value.shape, dtype=jax.dtypes.float0)
+
+
+def implicit_solve(matvec, b, solver: Solver, transpose_solver: Solver, symmetric: bool):
+    """`solver(matvec, b)` with derivatives defined implicitly (the core of `linear_solve`).
+
+    The primal runs `solver` once and returns whatever it returns (a
+    `Solution` with its diagnostics, or the solution pytree); the tangent is
+    one `lax.custom_linear_solve` of `A dx = db - dA x`, whose transpose
+    (reverse mode) is one `transpose_solver` call on `A^T`.
+
+    Everything the operator and the solvers close over is hoisted into
+    explicit arguments (`jax.closure_convert`), so they may close over traced
+    values: the operator's are differentiated, the solvers' (initial guess,
+    preconditioner, weights) are not — the solution does not depend on them.
+    Diagnostics stay outside `custom_linear_solve`, so inside `shard_map` they
+    keep their own (invariant) type.
+    """
+    mv, mv_consts = jax.closure_convert(matvec, b)
+
+    def operator(consts):
+        return lambda x: mv(x, *consts)
+
+    def transposed(consts):
+        if symmetric:
+            return operator(consts)
+        transpose = jax.linear_transpose(operator(consts), b)
+        return lambda y: transpose(y)[0]
+
+    sv, sv_consts = jax.closure_convert(lambda r, c: solver(operator(c), r), b, mv_consts)
+    tsv, tsv_consts = jax.closure_convert(
+        lambda r, c: _solution_of(transpose_solver(transposed(c), r)), b, mv_consts)
+
+    @jax.custom_jvp
+    def solve(b, mv_consts, sv_consts, tsv_consts):
+        return sv(b, mv_consts, *sv_consts)
+
+    @solve.defjvp
+    def solve_jvp(primals, tangents):
+        b, mv_c, sv_c, tsv_c = primals
+        db, dmv_c, _, _ = tangents
+        out = solve(b, mv_c, sv_c, tsv_c)
+        x = _solution_of(out)
+        _, dA_x = jax.jvp(lambda c: mv(x, *c), (mv_c,), (dmv_c,))
+        dx = jax.lax.custom_linear_solve(
+            operator(mv_c),
+            tree.sub(db, dA_x),
+            lambda _, r: _solution_of(sv(r, mv_c, *sv_c)),
+            lambda _, r: tsv(r, mv_c, *tsv_c),
+            symmetric=symmetric,
+        )
         if isinstance(out, Solution):
-            return out.x, out._replace(x=None)
-        return out, None
+            return out, jax.tree_util.tree_map(_no_tangent, out)._replace(x=dx)
+        return out, dx
 
-    return solve
+    return solve(b, mv_consts, sv_consts, tsv_consts)
 
 
 def linear_solve(
@@ -35,21 +92,22 @@ def linear_solve(
 ):
     """Solve `A x = b` with `solver`, differentiated implicitly.
 
-    The solve is wrapped in `jax.lax.custom_linear_solve`: `solver` itself is
-    never differentiated. With `x = A^{-1} b`,
+    `solver` itself is never differentiated. With `x = A^{-1} b`,
 
-        dx = A^{-1} (db - dA x)            (forward mode: one more solve)
-        b_bar = A^{-T} x_bar,  A_bar = -b_bar x^T   (reverse mode: one transposed solve)
+        dx = A^{-1} (db - dA x)                      (forward mode: one more solve)
+        b_bar = A^{-T} x_bar,  A_bar = -b_bar x^T    (reverse mode: one transposed solve)
 
     so the gradient with respect to `b` and to everything `matvec` closes over
     costs exactly one transposed solve, with the same communication as the
-    primal solve.
+    primal solve. The tangent solve is a `jax.lax.custom_linear_solve`.
 
     Args:
-        matvec: the linear operator `x -> A x` on pytrees shaped like `b`.
+        matvec: the linear operator `x -> A x` on pytrees shaped like `b`; it
+            may close over (differentiable) parameters.
         b: right-hand side (array or pytree of arrays).
         solver: `solver(matvec, rhs)` returning either a `Solution` or the
-            solution pytree. A black box: it may use any loop.
+            solution pytree. A black box: it may use any loop, and may close
+            over values that are not differentiated (they do not change `x`).
         transpose_solver: `transpose_solver(vecmat, rhs)` for `A^T y = rhs`,
             where `vecmat` is the transpose of `matvec` (derived automatically).
             Defaults to `solver`.
@@ -58,29 +116,19 @@ def linear_solve(
 
     Returns:
         Whatever `solver` returns: a `Solution` (diagnostics kept, `x`
-        differentiable) or the solution pytree.
+        differentiable, diagnostics constant) or the solution pytree.
 
     Raises:
-        TypeError, ValueError: if `b` is not a pytree of inexact arrays or
-            `matvec(b)` does not have the structure, shapes and dtypes of `b`.
+        TypeError, ValueError: if `b` is not a pytree of inexact arrays,
+            `matvec(b)` does not have the structure, shapes and dtypes of `b`,
+            or `solver` is not callable.
 
-    Reference: JAX `lax.custom_linear_solve`; M. Blondel et al., "Efficient
-    and modular implicit differentiation", NeurIPS 2022.
+    Reference: M. Blondel et al., "Efficient and modular implicit
+    differentiation", NeurIPS 2022; JAX `lax.custom_linear_solve`.
     """
     _checks.check_vector("b", b)
     _checks.check_operator("matvec", matvec, b)
-    if not callable(solver):
-        raise TypeError(f"`solver` must be a function `(matvec, b) -> x`; got {solver!r}.")
-    if transpose_solver is None:
-        transpose_solver = solver
-    x, aux = jax.lax.custom_linear_solve(
-        matvec,
-        b,
-        _split(solver),
-        _split(transpose_solver),
-        symmetric=symmetric,
-        has_aux=True,
-    )
-    if aux is None:
-        return x
-    return aux._replace(x=x)
+    for name, fn in (("solver", solver), ("transpose_solver", transpose_solver)):
+        if (fn is not None or name == "solver") and not callable(fn):
+            raise TypeError(f"`{name}` must be a function `(matvec, b) -> x`; got {fn!r}.")
+    return implicit_solve(matvec, b, solver, transpose_solver or solver, symmetric)

@@ -1,0 +1,126 @@
+"""`shard_batch` and solves inside `shard_map` (`axis_name`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import count_primitives, laplacian_1d, mesh, put, rel_err
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import solvax as sx
+
+N = 128
+
+
+def halo_laplacian(x):
+    """Dirichlet 1-D Laplacian on a shard; neighbours exchanged with `ppermute`."""
+    ndev = 8
+    idx = lax.axis_index("i")
+    left = lax.ppermute(x[-1:], "i", [(k, (k + 1) % 8) for k in range(8)])
+    right = lax.ppermute(x[:1], "i", [(k, (k - 1) % 8) for k in range(8)])
+    left = jnp.where(idx == 0, 0.0, left)
+    right = jnp.where(idx == ndev - 1, 0.0, right)
+    xp = jnp.concatenate([left, x, right])  # the halo of a shard, not a solver vector
+    return 2 * x - xp[:-2] - xp[2:] + 0.1 * x
+
+
+def global_laplacian(x):
+    xp = jnp.pad(x, 1)
+    return 2 * x - xp[:-2] - xp[2:] + 0.1 * x
+
+
+SOLVES = {
+    "pcg": lambda mv, b, **kw: sx.pcg(mv, b, rtol=1e-10, **kw),
+    "pcg_single_reduction": lambda mv, b, **kw: sx.pcg(mv, b, rtol=1e-10, single_reduction=True,
+                                                       **kw),
+    "gmres": lambda mv, b, **kw: sx.gmres(mv, b, rtol=1e-10, restart=20, **kw),
+    "pcg_linear_solve": lambda mv, b, **kw: sx.pcg_linear_solve(mv, b, rtol=1e-10, **kw),
+}
+
+
+@pytest.mark.parametrize("name", list(SOLVES))
+def test_shard_map_solve_matches_jit(name):
+    m = mesh(8)
+    b = put(jnp.asarray(np.random.default_rng(0).standard_normal(N)), m, "i")
+    solve = SOLVES[name]
+
+    def local(b):
+        sol = solve(halo_laplacian, b, axis_name="i")
+        return sol.x, sol.iterations, sol.converged
+
+    f = jax.jit(sx.shard_map(local, mesh=m, in_specs=P("i"), out_specs=(P("i"), P(), P())))
+    x, iters, conv = f(b)  # no deadlock: every shard stops on the same global values
+    ref = jax.jit(lambda b: solve(global_laplacian, b))(b)
+    assert bool(conv) and abs(int(iters) - int(ref.iterations)) <= 2  # rounding order differs
+    assert rel_err(x, ref.x) < 1e-8  # both within rtol=1e-10 of the solution
+    dense = laplacian_1d(N) + 0.1 * np.eye(N)
+    assert rel_err(x, np.linalg.solve(dense, np.asarray(b))) < 1e-8
+
+    # one psum per reduction step: the same count as the jit mode's all-reduces
+    psums = count_primitives(jax.make_jaxpr(f)(b), "psum")
+    shard = sx.count_collectives(f, b)
+    gspmd = sx.count_collectives(lambda d, b: solve(lambda x: d * x, b).x,
+                                 put(2 + jnp.arange(N) / N, m, "i"), b)
+    assert shard.count("all-reduce") == psums
+    assert shard.count("all-gather") == 0
+    assert shard.per_iteration - _permutes_per_iteration(shard) == gspmd.per_iteration
+
+
+def _permutes_per_iteration(report):
+    outer = {loop.name for loop in report.loops if loop.depth == 0}
+    busiest = max(outer, key=lambda n: sum(c.weight for c in report.collectives if c.loops
+                                           and c.loops[0] == n))
+    return sum(c.weight for c in report.collectives
+               if c.kind == "collective-permute" and c.loops and c.loops[0] == busiest)
+
+
+def test_shard_map_gradient():
+    m = mesh(8)
+    b = put(jnp.asarray(np.random.default_rng(1).standard_normal(N)), m, "i")
+
+    def loss(b):
+        x = sx.pcg(halo_laplacian, b, axis_name="i", rtol=1e-12).x
+        return lax.psum(jnp.sum(x**2), "i")
+
+    g = jax.jit(sx.shard_map(jax.grad(loss), mesh=m, in_specs=P("i"), out_specs=P("i")))(b)
+    A = laplacian_1d(N) + 0.1 * np.eye(N)
+    Ai = np.linalg.inv(A)
+    assert rel_err(g, 2 * Ai @ (Ai @ np.asarray(b))) < 1e-8
+
+
+def test_shard_batch_tridiagonal_is_collective_free():
+    m = mesh(8)
+    rng = np.random.default_rng(2)
+    n, batch = 20, 32
+    lower, upper, rhs = (put(jnp.asarray(rng.standard_normal((n, batch))), m, None, "i")
+                         for _ in range(3))
+    diag = put(jnp.asarray(4 + rng.random((n, batch))), m, None, "i")
+    solve = sx.shard_batch(sx.tridiagonal_solve, mesh=m, input_rank=2, output_rank=2,
+                           input_batch_axis=1, output_batch_axis=1)
+    x = jax.jit(solve)(lower, diag, upper, rhs)
+    local = [np.asarray(a) for a in (lower, diag, upper, rhs)]
+    assert rel_err(x, sx.tridiagonal_solve(*local)) < 1e-12
+    assert x.sharding.is_equivalent_to(rhs.sharding, 2)
+    assert sx.count_collectives(solve, lower, diag, upper, rhs).total == 0
+
+
+def test_shard_batch_leading_batch_axis_and_multiple_outputs():
+    m = mesh(8)
+    xs = put(jnp.arange(32.0 * 3).reshape(32, 3), m, "i", None)
+    f = sx.shard_batch(lambda a: (a * 2, jnp.sum(a, axis=1)), mesh=m, input_rank=2,
+                       output_rank=(2, 1))
+    two, sums = jax.jit(f)(xs)
+    assert rel_err(two, 2 * np.asarray(xs)) == 0 and rel_err(sums, np.asarray(xs).sum(1)) < 1e-15
+    assert sx.count_collectives(f, xs).total == 0
+
+
+def test_shard_batch_bad_input():
+    m = mesh(8)
+    with pytest.raises(ValueError, match="`axis_name` 'j' is not an axis"):
+        sx.shard_batch(lambda a: a, mesh=m, input_rank=1, output_rank=1, axis_name="j")
+    with pytest.raises(ValueError, match="`input_rank` must be >= 1"):
+        sx.shard_batch(lambda a: a, mesh=m, input_rank=0, output_rank=1)
+    f = sx.shard_batch(lambda a: a, mesh=m, input_rank=2, output_rank=2)
+    with pytest.raises(ValueError, match="input 0 has rank 1"):
+        f(jnp.ones(8))

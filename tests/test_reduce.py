@@ -1,0 +1,111 @@
+"""The reduction layer: k products of one step are one reduction, by construction."""
+
+import ast
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from helpers import count_primitives, mesh, put, rel_err
+from jax.sharding import PartitionSpec as P
+
+import solvax as sx
+from solvax import _reduce
+
+SRC = pathlib.Path(sx.__file__).parent
+
+
+def three_pairs(x, y):
+    return [(x, y), (y, y), (x, x)]
+
+
+def test_multi_dot_values():
+    rng = np.random.default_rng(0)
+    x = {"a": jnp.asarray(rng.standard_normal(5) + 1j * rng.standard_normal(5)),
+         "b": jnp.asarray(rng.standard_normal((2, 3)) + 0j)}
+    y = jax.tree_util.tree_map(lambda v: 2 * v + 1j, x)
+    got = sx.InnerProduct().multi_dot(three_pairs(x, y))
+
+    def flat(t):
+        return np.concatenate([np.asarray(v).reshape(-1) for v in jax.tree_util.tree_leaves(t)])
+
+    fx, fy = flat(x), flat(y)
+    ref = [np.vdot(fx, fy), np.vdot(fy, fy), np.vdot(fx, fx)]
+    assert rel_err(got, ref) < 1e-14
+
+
+def test_weighted_inner_product_and_norm():
+    x = jnp.arange(1.0, 5.0)
+    w = jnp.array([1.0, 2.0, 3.0, 4.0])
+    ip = sx.InnerProduct(weight=w)
+    assert float(ip.dot(x, x)) == float(jnp.sum(w * x * x))
+    assert np.isclose(float(ip.norm(x)), float(jnp.sqrt(jnp.sum(w * x * x))))
+
+
+def test_project_matches_loop():
+    rng = np.random.default_rng(1)
+    V = jnp.asarray(rng.standard_normal((4, 7)))
+    w = jnp.asarray(rng.standard_normal(7))
+    coeffs, extras = sx.InnerProduct().project(V, w, [(w, w)])
+    assert rel_err(coeffs, V @ w) < 1e-14 and rel_err(extras, [w @ w]) < 1e-14
+
+
+def test_k_products_one_all_reduce_of_a_k_vector_under_jit():
+    m = mesh(8)
+    for spec, shape in (((("i",)), (64,)), ((None, "i"), (3, 64)), (("i", None), (64, 3))):
+        x = put(jnp.ones(shape), m, *spec)
+        y = put(2 * jnp.ones(shape), m, *spec)
+        report = sx.count_collectives(lambda x, y: sx.InnerProduct().multi_dot(three_pairs(x, y)),
+                                      x, y)
+        assert report.total == 1 and report.count("all-reduce") == 1, str(report)
+        assert report.bytes_by_kind["all-reduce"] == 3 * 8  # one f64[3]
+        assert report.count("all-gather") == 0
+
+
+def test_k_products_one_psum_inside_shard_map():
+    m = mesh(8)
+    ip = sx.InnerProduct(axis_name="i")
+    f = sx.shard_map(lambda x, y: ip.multi_dot(three_pairs(x, y)), mesh=m,
+                     in_specs=(P("i"), P("i")), out_specs=P())
+    x = put(jnp.arange(64.0), m, "i")
+    y = put(jnp.ones(64), m, "i")
+    assert count_primitives(jax.make_jaxpr(f)(x, y), "psum") == 1
+    assert rel_err(f(x, y), [jnp.sum(x), 64.0, jnp.sum(x * x)]) < 1e-14
+    assert sx.count_collectives(f, x, y).total == 1
+
+
+def test_callable_inner_product():
+    ip = _reduce.resolve(lambda a, b: jnp.sum(a * b) * 2.0)
+    assert float(ip.dot(jnp.ones(3), jnp.ones(3))) == 6.0
+    sol = sx.pcg(lambda x: 2 * x, jnp.ones(5), inner_product=lambda a, b: jnp.sum(a * b))
+    assert bool(sol.converged)
+
+
+def _calls(path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            yield name, node
+
+
+def test_no_flattening_in_the_library():
+    """No vector is raveled, reshaped to 1-D, `vdot`-ed or concatenated; the one
+    `concatenate` stacks partial products along the small leading axis in `_reduce`."""
+    for path in SRC.glob("*.py"):
+        for name, call in _calls(path):
+            where = f"{path.name}:{call.lineno}"
+            assert name not in {"vdot", "ravel", "ravel_pytree", "flatten"}, where
+            if name == "reshape":
+                assert not any(isinstance(a, ast.UnaryOp) or getattr(a, "value", None) == -1
+                               for a in call.args), where
+            if name == "concatenate":
+                axis = [k.value.value for k in call.keywords if k.arg == "axis"]
+                assert path.name == "_reduce.py" and axis == [0], where
+
+
+def test_inner_products_defined_in_one_module():
+    for path in SRC.glob("*.py"):
+        if path.name != "_reduce.py":
+            assert not re.search(r"def _?(tree_)?(dot|inner|norm)\b", path.read_text()), path.name
