@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -77,6 +78,18 @@ def _lax(lower, diag, upper, rhs):
     return jnp.moveaxis(x[..., 0], -1, 0)
 
 
+@functools.cache
+def lax_supports(dtype, n: int) -> bool:
+    """Whether this JAX's `lax.linalg.tridiagonal_solve` takes `dtype` and `n` rows
+    (JAX 0.4.x: real dtypes and n >= 3 only)."""
+    try:
+        z = jax.ShapeDtypeStruct((n,), dtype)
+        jax.eval_shape(lax.linalg.tridiagonal_solve, z, z, z, jax.ShapeDtypeStruct((n, 1), dtype))
+    except (ValueError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
 def _check_bands(lower, diag, upper, rhs):
     for name, band in (("lower", lower), ("diag", diag), ("upper", upper), ("rhs", rhs)):
         _checks.check_vector(name, band)
@@ -119,14 +132,17 @@ def tridiagonal_solve(lower, diag, upper, rhs, *, method: str = "auto"):
         rhs: right-hand sides of shape `(n, *B, *K)`.
         method: `"thomas"` (a `lax.scan`, any dtype/backend), `"lax"`
             (`lax.linalg.tridiagonal_solve`: LAPACK `gtsv` with partial
-            pivoting on CPU, cuSPARSE on GPU) or `"auto"` (currently `"lax"`).
+            pivoting on CPU, cuSPARSE on GPU) or `"auto"` (`"lax"` where this
+            JAX supports the dtype and size — JAX 0.4.x has no complex `lax`
+            solve and needs n >= 3 — else `"thomas"`).
 
     Returns:
         `x` with the shape and dtype of `rhs`.
 
     Raises:
         ValueError: bands of different shapes, a band shape that is not a
-            prefix of `rhs.shape`, an empty system or an unknown `method`.
+            prefix of `rhs.shape`, an empty system, an unknown `method`, or
+            `method="lax"` for a dtype this JAX's `lax` solve does not take.
         TypeError: non-floating inputs.
 
     Reference: L. H. Thomas, "Elliptic problems in linear difference
@@ -136,6 +152,13 @@ def tridiagonal_solve(lower, diag, upper, rhs, *, method: str = "auto"):
     _check_bands(lower, diag, upper, rhs)
     dtype = jnp.result_type(lower, diag, upper, rhs)
     lower, diag, upper, rhs = (jnp.asarray(a, dtype) for a in (lower, diag, upper, rhs))
+    supported = lax_supports(jnp.dtype(dtype), int(diag.shape[0]))
+    if method == "auto":
+        method = "lax" if supported else "thomas"
+    elif method == "lax" and not supported:
+        raise ValueError(f"`method='lax'`: this JAX's `lax.linalg.tridiagonal_solve` does not "
+                         f"support dtype {jnp.dtype(dtype).name} with n = {diag.shape[0]} rows; "
+                         "use method='thomas' or 'auto'.")
     solve = _thomas if method == "thomas" else _lax
 
     def primal(_, b):
