@@ -1,0 +1,46 @@
+"""The seed's communication table for 1, 2, 4 and 8 emulated CPU devices.
+
+    python benchmarks/benchmark_collectives.py [--json PATH] [--devices 1 2 4 8]
+
+Counts collective instructions in the optimized HLO of each compiled solve
+(primal, and `jax.grad` of `sum(x**2)` for the adjoint) with
+`solvax.count_collectives`, and prints one table per device count.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+from solvax import _table  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
+    args = parser.parse_args()
+
+    print(f"jax {jax.__version__}; {_table.MEANING}\n")
+    rows = []
+    for ndev in args.devices:
+        measured = _table.measure(ndev)
+        rows += measured
+        print(_table.format_table(measured), end="\n\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"jax": jax.__version__, "rows": [dataclasses.asdict(r) for r in rows]},
+                      f, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

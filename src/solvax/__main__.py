@@ -1,0 +1,27 @@
+"""`python -m solvax`: the communication table, measured live on 8 emulated CPU devices."""
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # Must happen before the CPU backend starts; importing jax alone does not start it.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+from solvax import _table  # noqa: E402
+
+
+def main() -> None:
+    devices = min(8, len(jax.devices()))
+    print(f"solvax communication table: jax {jax.__version__}, {devices} "
+          f"{jax.devices()[0].platform.upper()} devices, 1-D mesh axis 'i'")
+    print(_table.MEANING)
+    print()
+    print(_table.format_table(_table.measure(devices)))
+
+
+if __name__ == "__main__":
+    main()
