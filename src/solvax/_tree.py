@@ -50,18 +50,6 @@ def where(pred, x: PyTree, y: PyTree) -> PyTree:
     return tree_map(lambda u, v: jnp.where(pred, u, v), x, y)
 
 
-def cast(x: PyTree, dtype) -> PyTree:
-    return tree_map(lambda leaf: leaf.astype(dtype), x)
-
-
-def all_finite(x: PyTree):
-    """One boolean: every entry of every leaf is finite. Local work only when
-    used on values that are already reduced; on vectors it costs a reduction,
-    so solvers test reduced scalars instead."""
-    leaves = jax.tree_util.tree_leaves(x)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
-
-
 def result_dtype(x: PyTree):
     """The common dtype of all leaves (at least float32)."""
     return jnp.result_type(*jax.tree_util.tree_leaves(x), jnp.float32)

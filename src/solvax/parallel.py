@@ -15,10 +15,19 @@ from . import _checks
 def shard_map(f: Callable, *, mesh: Mesh, in_specs, out_specs, check: bool = True) -> Callable:
     """`jax.shard_map` on new JAX, `jax.experimental.shard_map.shard_map` on 0.4.x.
 
-    `check` is `check_vma` on new JAX: keep it on; solvax allocates work
-    buffers from the operands and keeps diagnostics invariant, so the check
-    passes. On 0.4.x the older `check_rep` checker has no replication rule for
-    a `while` loop inside a custom derivative, so it is turned off there.
+    Args:
+        f: the per-shard function.
+        mesh: the device mesh.
+        in_specs, out_specs: `PartitionSpec`s of the inputs and outputs.
+        check: `check_vma` on new JAX; keep it on: solvax allocates work
+            buffers from the operands and keeps diagnostics invariant, so the
+            check passes. On 0.4.x the older `check_rep` checker has no
+            replication rule for a `while` loop inside a custom derivative, so
+            it is off there (gradients of a `psum` then follow 0.4.x's
+            unchecked convention: differentiate per-shard losses).
+
+    Returns:
+        The mapped function.
     """
     if hasattr(jax, "shard_map"):
         return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
