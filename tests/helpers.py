@@ -96,18 +96,29 @@ def tree_rel_err(x, y) -> float:
 KRYLOV = {
     "pcg": functools.partial(sx.pcg),
     "pcg_single_reduction": functools.partial(sx.pcg, single_reduction=True),
+    "pcg_pipelined": functools.partial(sx.pcg, method="pipelined"),
+    "pcg_pipelined_replacement": functools.partial(sx.pcg, method="pipelined",
+                                                   residual_replacement=20),
     "pcg_linear_solve": sx.pcg_linear_solve,
     "gmres": functools.partial(sx.gmres, restart=20),
+    "gmres_cgs2": functools.partial(sx.gmres, restart=20, orthogonalization="cgs2"),
     "gmres_restart5": functools.partial(sx.gmres, restart=5),
+    "gmres_cgs2_restart5": functools.partial(sx.gmres, restart=5, orthogonalization="cgs2"),
 }
-SPD_SOLVERS = ["pcg", "pcg_single_reduction", "pcg_linear_solve", "gmres"]
-GENERAL_SOLVERS = ["gmres", "gmres_restart5"]
+SPD_SOLVERS = ["pcg", "pcg_single_reduction", "pcg_pipelined", "pcg_pipelined_replacement",
+               "pcg_linear_solve", "gmres", "gmres_cgs2"]
+GENERAL_SOLVERS = ["gmres", "gmres_cgs2", "gmres_restart5", "gmres_cgs2_restart5"]
 
 
-def tolerance(dtype) -> tuple[float, float]:
-    """(solver rtol, check tolerance) for a dtype."""
+def tolerance(dtype, name: str = "") -> tuple[float, float]:
+    """(solver rtol, check tolerance) for a dtype (and solver).
+
+    Pipelined CG without residual replacement attains less accuracy (its
+    recurrences drift; see `pcg`): in single precision on these problems it
+    stalls near 5e-4 (residual gap), so it is asked for 1e-3 there.
+    """
     if jnp.dtype(dtype) in (jnp.float32, jnp.complex64):
-        return 1e-5, 1e-3
+        return (1e-3, 1e-2) if name == "pcg_pipelined" else (1e-5, 1e-3)
     return 1e-10, 1e-7
 
 

@@ -34,8 +34,16 @@ SOLVES = {
     "pcg": lambda mv, b, **kw: sx.pcg(mv, b, rtol=1e-10, **kw),
     "pcg_single_reduction": lambda mv, b, **kw: sx.pcg(mv, b, rtol=1e-10, single_reduction=True,
                                                        **kw),
+    "pcg_pipelined": lambda mv, b, **kw: sx.pcg(mv, b, rtol=1e-10, method="pipelined", **kw),
+    "pcg_pipelined_replacement": lambda mv, b, **kw: sx.pcg(
+        mv, b, rtol=1e-10, method="pipelined", residual_replacement=25, **kw),
     "gmres": lambda mv, b, **kw: sx.gmres(mv, b, rtol=1e-10, restart=20, **kw),
+    "gmres_cgs2": lambda mv, b, **kw: sx.gmres(mv, b, rtol=1e-10, restart=20,
+                                               orthogonalization="cgs2", **kw),
     "pcg_linear_solve": lambda mv, b, **kw: sx.pcg_linear_solve(mv, b, rtol=1e-10, **kw),
+    # linear_solve's solver is a black box: the solver carries `axis_name`.
+    "linear_solve_gmres": lambda mv, b, **kw: sx.linear_solve(
+        mv, b, solver=lambda A, r: sx.gmres(A, r, rtol=1e-10, restart=20, **kw)),
 }
 
 

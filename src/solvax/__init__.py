@@ -15,6 +15,10 @@ from .gmres import gmres as gmres
 from .linear_solve import linear_solve as linear_solve
 from .parallel import shard_batch as shard_batch
 from .parallel import shard_map as shard_map
+from .precond import block_jacobi as block_jacobi
+from .precond import chebyshev as chebyshev
+from .precond import estimate_spectrum as estimate_spectrum
+from .precond import jacobi as jacobi
 from .tridiagonal import tridiagonal_solve as tridiagonal_solve
 
 __version__ = "0.1.0"
@@ -24,8 +28,12 @@ __all__ = [
     "InnerProduct",
     "Solution",
     "Status",
+    "block_jacobi",
+    "chebyshev",
     "count_collectives",
+    "estimate_spectrum",
     "gmres",
+    "jacobi",
     "linear_solve",
     "pcg",
     "pcg_linear_solve",

@@ -78,20 +78,26 @@ class InnerProduct:
 
         `basis` has leaves `(m, *leaf.shape)`; the first result has length m.
         """
+        coeffs, extras = self.project_many(basis, [x], pairs)
+        return coeffs[0], extras
+
+    def project_many(self, basis: PyTree, xs: Sequence[PyTree], pairs: Sequence[Pair] = ()):
+        """`([V^H x for x in xs], [<a, b> for (a, b) in pairs])` in one reduction;
+        the first result has shape `(len(xs), m)`."""
         m = jax.tree_util.tree_leaves(basis)[0].shape[0]
         vs = self._leaves(basis)
-        xw = self._leaves(self._weighted(x))
+        xws = [self._leaves(self._weighted(x)) for x in xs]
         extra_x = [self._leaves(a) for a, _ in pairs]
         extra_y = [self._leaves(self._weighted(b)) for _, b in pairs]
         per_leaf = []
-        for leaf, (v, w) in enumerate(zip(vs, xw)):
-            blocks = [jnp.conj(v) * w[None]]
+        for leaf, v in enumerate(vs):
+            blocks = [jnp.conj(v) * xw[leaf][None] for xw in xws]
             if pairs:
                 blocks.append(jnp.stack([jnp.conj(a[leaf]) * b[leaf]
                                          for a, b in zip(extra_x, extra_y)]))
             per_leaf.append(blocks)
         total = self._global_sum(per_leaf)
-        return total[:m], total[m:]
+        return total[: m * len(xs)].reshape(len(xs), m), total[m * len(xs):]
 
     def dot(self, x: PyTree, y: PyTree) -> jax.Array:
         return self.multi_dot([(x, y)])[0]
@@ -113,8 +119,9 @@ class _CallableInnerProduct(InnerProduct):
     def multi_dot(self, pairs):
         return jnp.stack([jnp.asarray(self.fn(x, y)) for x, y in pairs])
 
-    def project(self, basis, x, pairs=()):
-        coeffs = jax.vmap(lambda v: jnp.asarray(self.fn(v, x)))(basis)
+    def project_many(self, basis, xs, pairs=()):
+        coeffs = jnp.stack([jax.vmap(lambda v, x=x: jnp.asarray(self.fn(v, x)))(basis)
+                            for x in xs])
         extras = self.multi_dot(pairs) if pairs else jnp.zeros((0,), coeffs.dtype)
         return coeffs, extras
 

@@ -32,7 +32,8 @@ _MESSAGES = {
     Status.MAX_STEPS: "not converged: the iteration limit was reached first; "
     "raise `max_steps`/`max_restarts`, loosen the tolerance or precondition",
     Status.INDEFINITE: "breakdown: non-positive curvature <p, A p> <= 0 or <r, M r> <= 0; "
-    "the operator or the preconditioner is not Hermitian positive definite",
+    "the operator or the preconditioner is not Hermitian positive definite (or, for the "
+    "single-reduction and pipelined recurrences, rounding at their attainable accuracy)",
     Status.BREAKDOWN: "breakdown: the Krylov space became invariant before the tolerance was met; "
     "the operator is singular or the system inconsistent",
     Status.NONFINITE: "non-finite values (NaN or Inf) appeared in the right-hand side, "
@@ -61,6 +62,8 @@ class Solution(NamedTuple):
             `||b - A x||` meets `max(atol, rtol * ||b||)`.
         iterations: Krylov iterations taken (CG steps; Arnoldi steps for GMRES).
         residual_norm: the true residual norm `||b - A x||` at return.
+        history: with `record_history=True`, the solver's own residual norm
+            per iteration (NaN-padded to a static length); else `None`.
     """
 
     x: PyTree
@@ -68,6 +71,7 @@ class Solution(NamedTuple):
     converged: Any
     iterations: Any
     residual_norm: Any
+    history: Any = None
 
     @property
     def message(self) -> str:
@@ -99,7 +103,7 @@ def final_status(loop_status, true_ok, true_norm):
                      jnp.where(true_ok, code(Status.CONVERGED), failed))
 
 
-def make_solution(x, loop_status, iterations, true_norm, tol) -> Solution:
+def make_solution(x, loop_status, iterations, true_norm, tol, history=None) -> Solution:
     """Assemble a `Solution` from the true residual norm and the tolerance."""
     true_ok = jnp.isfinite(true_norm) & (true_norm <= tol)
     status = final_status(loop_status, true_ok, true_norm)
@@ -109,4 +113,5 @@ def make_solution(x, loop_status, iterations, true_norm, tol) -> Solution:
         converged=status == int(Status.CONVERGED),
         iterations=jnp.asarray(iterations, jnp.int32),
         residual_norm=true_norm,
+        history=history,
     )
