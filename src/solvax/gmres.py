@@ -322,9 +322,10 @@ def gmres(
     and builds `A z_j = sum_i h_ij v_i` with `z_j = M_j(v_j)` (the
     preconditioner may change from step to step), orthogonalized by classical
     Gram–Schmidt run twice (CGS2) — by default with the second pass delayed
-    one step so that each step needs a single reduction (`"one_sync"`). Givens rotations keep the least-squares
-    residual `|g_{j+1}|` current; the cycle ends at the tolerance, a breakdown
-    or after `restart` steps, and `x += Z y` with `R y = g`.
+    one step so that each step needs a single reduction (`"one_sync"`).
+    Givens rotations keep the least-squares residual `|g_{j+1}|` current; the
+    cycle ends at the tolerance, a breakdown or after `restart` steps, and
+    `x += Z y` with `R y = g`.
 
     Differs from the textbook / `jax.scipy.sparse.linalg.gmres`:
       1. One reduction per Arnoldi step (`"one_sync"`), or two with
