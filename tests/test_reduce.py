@@ -43,12 +43,28 @@ def test_weighted_inner_product_and_norm():
     assert np.isclose(float(ip.norm(x)), float(jnp.sqrt(jnp.sum(w * x * x))))
 
 
-def test_project_matches_loop():
+def test_projections_match_numpy():
     rng = np.random.default_rng(1)
-    V = jnp.asarray(rng.standard_normal((4, 7)))
-    w = jnp.asarray(rng.standard_normal(7))
-    coeffs, extras = sx.InnerProduct().project(V, w, [(w, w)])
-    assert rel_err(coeffs, V @ w) < 1e-14 and rel_err(extras, [w @ w]) < 1e-14
+    V = jnp.asarray(rng.standard_normal((4, 7)) + 1j * rng.standard_normal((4, 7)))
+    w = jnp.asarray(rng.standard_normal(7) + 1j * rng.standard_normal(7))
+    u = 2 * w + 1
+    ip = sx.InnerProduct()
+    Vc = np.conj(np.asarray(V))
+    assert rel_err(ip.project(V, w), Vc @ w) < 1e-14
+    assert rel_err(ip.project_many(V, [u, w]), np.stack([Vc @ u, Vc @ w])) < 1e-14
+    coeffs, ww = ip.project_with_norm(V, w)
+    assert rel_err(coeffs, Vc @ w) < 1e-14 and rel_err(ww, np.vdot(w, w)) < 1e-14
+
+
+def test_projection_is_one_all_reduce_without_gather():
+    m = mesh(8)
+    V = put(jnp.ones((5, 3, 64)), m, None, None, "i")
+    x = put(jnp.ones((3, 64)), m, None, "i")
+    ip = sx.InnerProduct()
+    for f in (lambda V, x: ip.project_many(V, [x, 2 * x]),
+              lambda V, x: ip.project_with_norm(V, x)):
+        report = sx.count_collectives(f, V, x)
+        assert report.total == 1 and report.count("all-reduce") == 1, str(report)
 
 
 def test_k_products_one_all_reduce_of_a_k_vector_under_jit():

@@ -295,3 +295,33 @@ def test_pytree_counts_version_gate(name):
     assert report.total == factor * single_leaf.total, str(report)
     assert report.per_iteration == factor * single_leaf.per_iteration
     assert report.count("all-gather") == 0
+
+
+# ------------------------------------------------------ shard_map (axis_name)
+AXIS_SOLVERS = {
+    "pcg": lambda d, b, **kw: sx.pcg(diag_operator(d), b, **kw).x,
+    "pcg_single_reduction": lambda d, b, **kw: sx.pcg(diag_operator(d), b,
+                                                      single_reduction=True, **kw).x,
+    "pcg_pipelined": lambda d, b, **kw: sx.pcg(diag_operator(d), b, method="pipelined", **kw).x,
+    "fgmres_linear_solve": lambda d, b, **kw: sx.gmres(diag_operator(d), b, restart=16, **kw).x,
+    "fgmres_cgs2_linear_solve": lambda d, b, **kw: sx.gmres(
+        diag_operator(d), b, restart=16, orthogonalization="cgs2", **kw).x,
+}
+
+
+@pytest.mark.parametrize("name", list(AXIS_SOLVERS))
+def test_shard_map_mode_has_the_same_counts(name):
+    from jax.sharding import PartitionSpec as P
+
+    m = mesh(8)
+    d, b = krylov_args(m)
+    solve = AXIS_SOLVERS[name]
+    f = sx.shard_map(lambda d, b: solve(d, b, axis_name="i"), mesh=m,
+                     in_specs=(P("i"), P("i")), out_specs=P("i"))
+    primal = sx.count_collectives(f, d, b)
+    adjoint = sx.count_collectives(jax.grad(loss(f), argnums=(0, 1)), d, b)
+    total, adjoint_total, per_iteration = EXPECTED[name]
+    assert (primal.total, primal.per_iteration, adjoint.total) == (
+        total, per_iteration, adjoint_total), str(primal)
+    assert set(primal.by_kind) == {"all-reduce"}
+    assert tree_rel_err(jax.jit(f)(d, b), jax.jit(solve)(d, b)) < 1e-10

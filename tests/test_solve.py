@@ -175,3 +175,18 @@ def test_one_sync_matches_cgs2(problem):
     its = {m: int(sx.gmres(mv, b, restart=30, rtol=1e-10, orthogonalization=m).iterations)
            for m in ("cgs2", "one_sync")}
     assert abs(its["one_sync"] - its["cgs2"]) <= 0.05 * its["cgs2"], its
+
+
+@pytest.mark.parametrize("name", ["pcg", "pcg_single_reduction", "pcg_pipelined", "gmres",
+                                  "gmres_cgs2"])
+def test_record_history(name):
+    b = rhs((12, 12))
+    sol = KRYLOV[name](poisson_2d, b, rtol=1e-10, record_history=True)
+    h = np.asarray(sol.history)
+    k = int(sol.iterations)
+    assert np.isclose(h[0], float(jnp.linalg.norm(b)), rtol=1e-12)
+    assert np.all(np.isfinite(h[: k + 1])) and np.all(np.isnan(h[k + 1:]))
+    assert h[k] <= 1e-10 * h[0] * 1.01 and np.isclose(h[k], float(sol.residual_norm), rtol=1e-3)
+    if name.startswith("gmres"):
+        assert np.all(np.diff(h[: k + 1]) <= 1e-12 * h[0])  # GMRES residuals never grow
+    assert KRYLOV[name](poisson_2d, b).history is None

@@ -42,15 +42,11 @@ class InnerProduct:
         return f"InnerProduct(axis_name={self.axis_name!r}, weighted={self.weight is not None})"
 
     # -- the single reduction -------------------------------------------------
-    def _global_sum(self, per_leaf_blocks: list[list[jax.Array]]) -> jax.Array:
-        """Sum stacked blocks `(k_i, *leaf.shape)` of every leaf into one k-vector."""
-        dtype = jnp.result_type(*[b for blocks in per_leaf_blocks for b in blocks])
-        total = None
-        for blocks in per_leaf_blocks:
-            stacked = blocks[0] if len(blocks) == 1 else jnp.concatenate(
-                [b.astype(dtype) for b in blocks], axis=0)  # along the small leading axis only
-            partial = jnp.sum(stacked.astype(dtype), axis=tuple(range(1, stacked.ndim)))
-            total = partial if total is None else total + partial
+    def _global_sum(self, partials: list[jax.Array]) -> jax.Array:
+        """Add the per-leaf partial k-vectors (or k x m blocks) and reduce them once."""
+        total = partials[0]
+        for partial in partials[1:]:
+            total = total + partial
         if self.axis_name is not None:
             total = lax.psum(total, self.axis_name)
         return total
@@ -68,36 +64,51 @@ class InnerProduct:
         """`[<x_1, y_1>, ..., <x_k, y_k>]` in one reduction."""
         xs = [self._leaves(x) for x, _ in pairs]
         ys = [self._leaves(self._weighted(y)) for _, y in pairs]
-        per_leaf = []
+        partials = []
         for leaf in range(len(xs[0])):
-            per_leaf.append([jnp.stack([jnp.conj(x[leaf]) * y[leaf] for x, y in zip(xs, ys)])])
-        return self._global_sum(per_leaf)
+            # The k products stacked on a new leading axis: one sum over the
+            # vector axes, hence one reduction of a k-vector by construction.
+            stacked = jnp.stack([jnp.conj(x[leaf]) * y[leaf] for x, y in zip(xs, ys)])
+            partials.append(jnp.sum(stacked, axis=tuple(range(1, stacked.ndim))))
+        return self._global_sum(partials)
 
-    def project(self, basis: PyTree, x: PyTree, pairs: Sequence[Pair] = ()) -> tuple:
-        """`(V^H x, [<a, b> for (a, b) in pairs])` in one reduction.
+    def project(self, basis: PyTree, x: PyTree) -> jax.Array:
+        """`V^H x` (length m) in one reduction; `basis` has leaves `(m, *leaf.shape)`."""
+        return self.project_many(basis, [x])[0]
 
-        `basis` has leaves `(m, *leaf.shape)`; the first result has length m.
+    def project_many(self, basis: PyTree, xs: Sequence[PyTree]) -> jax.Array:
+        """`[V^H x for x in xs]`, shape `(len(xs), m)`, in one reduction.
+
+        Per leaf one contraction over the vector axes (`dot_general`: the
+        partitioner reduces a sharded contracting axis with one all-reduce, and
+        on one device it is a BLAS product), conjugating the vectors rather
+        than the basis: `V^H x = conj(V^T conj(x))`.
         """
-        coeffs, extras = self.project_many(basis, [x], pairs)
-        return coeffs[0], extras
-
-    def project_many(self, basis: PyTree, xs: Sequence[PyTree], pairs: Sequence[Pair] = ()):
-        """`([V^H x for x in xs], [<a, b> for (a, b) in pairs])` in one reduction;
-        the first result has shape `(len(xs), m)`."""
-        m = jax.tree_util.tree_leaves(basis)[0].shape[0]
         vs = self._leaves(basis)
-        xws = [self._leaves(self._weighted(x)) for x in xs]
-        extra_x = [self._leaves(a) for a, _ in pairs]
-        extra_y = [self._leaves(self._weighted(b)) for _, b in pairs]
-        per_leaf = []
+        xls = [self._leaves(self._weighted(x)) for x in xs]
+        partials = []
         for leaf, v in enumerate(vs):
-            blocks = [jnp.conj(v) * xw[leaf][None] for xw in xws]
-            if pairs:
-                blocks.append(jnp.stack([jnp.conj(a[leaf]) * b[leaf]
-                                         for a, b in zip(extra_x, extra_y)]))
-            per_leaf.append(blocks)
-        total = self._global_sum(per_leaf)
-        return total[: m * len(xs)].reshape(len(xs), m), total[m * len(xs):]
+            stacked = jnp.stack([jnp.conj(xl[leaf]) for xl in xls], axis=-1)
+            axes = tuple(range(v.ndim - 1))
+            # basis first: (m, *shape) . (*shape, s) -> (m, s), a plain GEMV/GEMM
+            partials.append(lax.dot_general(v, stacked, ((tuple(a + 1 for a in axes), axes),
+                                                         ((), ()))))
+        return jnp.conj(self._global_sum(partials)).T
+
+    def project_with_norm(self, basis: PyTree, x: PyTree) -> tuple[jax.Array, jax.Array]:
+        """`(V^H x, <x, x>)` in one reduction: the products are stacked elementwise
+        before one sum (a slower path than `project_many`'s contraction, used
+        where the squared norm must share the projection's reduction)."""
+        vs = self._leaves(basis)
+        xs = self._leaves(x)
+        xws = self._leaves(self._weighted(x))
+        partials = []
+        for v, xl, xw in zip(vs, xs, xws):
+            stacked = jnp.concatenate([jnp.conj(v) * xw[None], (jnp.conj(xl) * xw)[None]],
+                                      axis=0)  # along the small leading (stacking) axis
+            partials.append(jnp.sum(stacked, axis=tuple(range(1, stacked.ndim))))
+        total = self._global_sum(partials)
+        return total[:-1], total[-1]
 
     def dot(self, x: PyTree, y: PyTree) -> jax.Array:
         return self.multi_dot([(x, y)])[0]
@@ -119,11 +130,9 @@ class _CallableInnerProduct(InnerProduct):
     def multi_dot(self, pairs):
         return jnp.stack([jnp.asarray(self.fn(x, y)) for x, y in pairs])
 
-    def project_many(self, basis, xs, pairs=()):
-        coeffs = jnp.stack([jax.vmap(lambda v, x=x: jnp.asarray(self.fn(v, x)))(basis)
-                            for x in xs])
-        extras = self.multi_dot(pairs) if pairs else jnp.zeros((0,), coeffs.dtype)
-        return coeffs, extras
+    def project_many(self, basis, xs):
+        return jnp.stack([jax.vmap(lambda v, x=x: jnp.asarray(self.fn(v, x)))(basis)
+                          for x in xs])
 
 
 def real_sqrt(value: jax.Array) -> jax.Array:

@@ -21,6 +21,7 @@ from .cg import pcg
 from .comm import count_collectives
 from .gmres import gmres
 from .linear_solve import linear_solve
+from .parallel import shard_map
 from .tridiagonal import tridiagonal_solve
 
 
@@ -43,6 +44,17 @@ def _gmres16(matvec, b):
     return gmres(matvec, b, restart=16)
 
 
+def _shard_mapped(mesh, solve):
+    """`solve(d, b, axis_name="i")` inside `shard_map`, vectors split over 'i'."""
+
+    def run(d, b):
+        specs = jax.tree_util.tree_map(lambda _: P("i"), b)
+        return shard_map(lambda d, b: solve(d, b, axis_name="i"), mesh=mesh,
+                         in_specs=(specs, specs), out_specs=specs)(d, b)
+
+    return run
+
+
 def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
     rng = np.random.default_rng(0)
 
@@ -62,8 +74,20 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
         "PCG": (lambda d, b: pcg(_diag(d), b).x, (diag, vec())),
         "PCG, single_reduction=True": (
             lambda d, b: pcg(_diag(d), b, single_reduction=True).x, (diag, vec())),
+        "PCG, pipelined": (lambda d, b: pcg(_diag(d), b, method="pipelined").x, (diag, vec())),
         "FGMRES(16) via linear_solve": (
             lambda d, b: linear_solve(_diag(d), b, solver=_gmres16).x, (diag, vec())),
+        "FGMRES(16), CGS2 orthogonalization": (
+            lambda d, b: gmres(_diag(d), b, restart=16, orthogonalization="cgs2").x,
+            (diag, vec())),
+        "shard_map: PCG, single_reduction (axis_name)": (_shard_mapped(
+            mesh, lambda d, b, **kw: pcg(_diag(d), b, single_reduction=True, **kw).x),
+            (diag, vec())),
+        "shard_map: PCG, pipelined (axis_name)": (_shard_mapped(
+            mesh, lambda d, b, **kw: pcg(_diag(d), b, method="pipelined", **kw).x),
+            (diag, vec())),
+        "shard_map: FGMRES(16) (axis_name)": (_shard_mapped(
+            mesh, lambda d, b, **kw: gmres(_diag(d), b, restart=16, **kw).x), (diag, vec())),
         "pytree PCG, P('i') + P(None,'i') leaves": (
             lambda d, b: pcg(_diag(d), b).x, (tree_d, tree_b)),
         "pytree PCG single_reduction, P('i') + P(None,'i')": (

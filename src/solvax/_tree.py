@@ -81,6 +81,13 @@ def basis_set(basis: PyTree, j, x: PyTree) -> PyTree:
     )
 
 
+def basis_set_if(basis: PyTree, j, x: PyTree, pred) -> PyTree:
+    """The basis with vector `j` replaced by `x` where the scalar `pred` holds.
+
+    Selects on the one row, not on the whole basis (which would copy it)."""
+    return basis_set(basis, j, where(pred, x, basis_get(basis, j)))
+
+
 def basis_combine(basis: PyTree, coeffs) -> PyTree:
     """`sum_j coeffs[j] * basis[j]`: a contraction over the basis axis only."""
 

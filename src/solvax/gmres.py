@@ -34,8 +34,7 @@ class _Cycle(NamedTuple):
     g: jax.Array  # (m + 1,) rotated right-hand side beta e_1; |g[j]| estimates the residual
     j: jax.Array  # accepted (final) Hessenberg columns
     k: jax.Array  # Arnoldi steps (matvecs) of this cycle
-    anorm: jax.Array  # running estimate of ||A|| (max ||A z|| / ||z||)
-    znorm: jax.Array  # one_sync: ||z|| of the column finalized next
+    anorm: jax.Array  # running estimate of ||A M|| (max ||A M v|| / ||v||)
     flag: jax.Array  # RUNNING, or why the cycle ended
 
 
@@ -48,6 +47,19 @@ class _Outer(NamedTuple):
     rnorm: jax.Array  # true residual norm at the last restart
     tol: jax.Array
     anorm: jax.Array
+    history: jax.Array | None  # residual norm per accepted step (if recorded)
+
+
+def _record(history, offset, beta, cy: _Cycle):
+    """Write `beta` (the true residual) at `offset` and the cycle's estimates
+    `beta * prod_{k<=i} |s_k|` (the Givens sines) after it."""
+    if history is None:
+        return None
+    m = cy.sn.shape[0]
+    estimates = beta * jnp.cumprod(jnp.abs(cy.sn))
+    old = lax.dynamic_slice(history, (offset + 1,), (m,))
+    new = jnp.where(jnp.arange(m) < cy.j, estimates.astype(history.dtype), old)
+    return lax.dynamic_update_slice(history.at[offset].set(beta), new, (offset + 1,))
 
 
 def _givens(a, b):
@@ -103,9 +115,10 @@ def _finalize_column(cy: _Cycle, col, h, hnext, scale, tol, enabled=True):
 
 
 def _cgs2_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
-    """Extend the basis by one vector with CGS2: two reductions, each one stacked
-    projection; ||w|| rides along with the projections (Pythagoras on the second
-    pass, where the correction is already O(eps) so no cancellation occurs)."""
+    """Extend the basis by one vector with CGS2: two reductions. The first pass
+    is a plain projection; the second returns the squared norm with it, and the
+    new norm follows by Pythagoras (the correction is already O(eps), so there
+    is no cancellation)."""
     j = cy.j
     m = cy.R.shape[0]
     v = tree.basis_get(cy.V, j)
@@ -115,21 +128,22 @@ def _cgs2_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
         w = matvec(z)
     active = jnp.arange(m + 1) <= j
     with jax.named_scope("solvax.gmres.orthogonalize"):
-        h1, (ww, zz) = ip.project(cy.V, w, [(w, w), (z, z)])
-        h1 = jnp.where(active, h1, 0)
+        h1 = jnp.where(active, ip.project(cy.V, w), 0)
         w = tree.sub(w, tree.basis_combine(cy.V, h1))
-        h2, (ww2,) = ip.project(cy.V, w, [(w, w)])
+        h2, ww = ip.project_with_norm(cy.V, w)
         h2 = jnp.where(active, h2, 0)
         w = tree.sub(w, tree.basis_combine(cy.V, h2))
-    hnext = _reduce.real_sqrt(jnp.real(ww2) - jnp.sum(jnp.abs(h2) ** 2))
-    znorm = _reduce.real_sqrt(zz)
-    anorm = jnp.maximum(cy.anorm, _reduce.real_sqrt(ww) / jnp.where(znorm == 0, 1.0, znorm))
-    cy, accept, happy = _finalize_column(cy._replace(anorm=anorm), j, h1 + h2, hnext,
-                                         tiny * anorm * znorm, tol)
-    v_next = tree.scale(1.0 / jnp.where(happy, 1.0, hnext), w)
+    h = h1 + h2
+    hnext = _reduce.real_sqrt(jnp.real(ww) - jnp.sum(jnp.abs(h2) ** 2))
+    # Columns of H represent A M on unit vectors: ||A M|| >= ||A z_j|| = ||(h, hnext)||.
+    anorm = jnp.maximum(cy.anorm, jnp.sqrt(jnp.sum(jnp.abs(h) ** 2) + hnext ** 2))
+    cy, accept, happy = _finalize_column(cy._replace(anorm=anorm), j, h, hnext,
+                                         tiny * anorm, tol)
+    keep = accept & ~happy
+    v_next = tree.scale(1.0 / jnp.where(keep, hnext, 1.0), w)
     return cy._replace(
-        V=tree.where(accept & ~happy, tree.basis_set(cy.V, j + 1, v_next), cy.V),
-        Z=None if cy.Z is None else tree.where(accept, tree.basis_set(cy.Z, j, z), cy.Z),
+        V=tree.basis_set_if(cy.V, j + 1, v_next, keep),
+        Z=None if cy.Z is None else tree.basis_set_if(cy.Z, j, z, accept),
         k=cy.k + 1,
     )
 
@@ -139,11 +153,11 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     step (in the spirit of DCGS2, Bielich et al. 2022).
 
     Row `k` of the basis holds `u`, the new direction after one CGS pass, not yet
-    re-orthogonalized nor normalized. One stacked reduction gives `V^H u` and
-    `V^H w` for `w = A M u` (and `<w, w>`). Then `c = Q^H u`, `nu^2 = <u, u> -
-    |c|^2` finish `q_k = (u - Q c) / nu` and Hessenberg column `k - 1` (`+ c`,
-    subdiagonal `nu`); since `A z_k = (w - Q H c) / nu` by the Arnoldi relation,
-    the projections of `A z_k` follow from the reduced values without touching
+    re-orthogonalized nor normalized. One projection of `u` and `w = A M u` on
+    the basis gives `Q^H u`, `<u, u>`, `Q^H w` and `<u, w>`. Then `c = Q^H u`,
+    `nu^2 = <u, u> - |c|^2` finish `q_k = (u - Q c) / nu` and Hessenberg column `k - 1` (`+ c`,
+    subdiagonal `nu`); since `A z_k = (w - Q H c) / nu` by the Arnoldi
+    relation, its projections follow from the reduced values without touching
     `w` again: `h = (Q^H w - H c) / nu`, and the next pending vector is
     `u' = (w - Q (Q^H w)) / nu`. Column `k - 1` is final one step later, so the
     residual estimate lags one matvec behind CGS2's.
@@ -157,47 +171,43 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     with jax.named_scope("solvax.gmres.matvec"):
         w = matvec(mu)
     with jax.named_scope("solvax.gmres.orthogonalize"):
-        extra = [(w, w)] if precond is None else [(w, w), (mu, mu)]
-        (a, bw), extras = ip.project_many(cy.V, [u, w], extra)
+        a, bw = ip.project_many(cy.V, [u, w])
     finished = jnp.arange(rows) < k
     c = jnp.where(finished, a, 0)
     uu = jnp.real(a[k])
     nu = _reduce.real_sqrt(uu - jnp.sum(jnp.abs(c) ** 2))
-    mumu = uu if precond is None else jnp.real(extras[1])
-    anorm = jnp.maximum(cy.anorm, _reduce.real_sqrt(extras[0])
-                        / jnp.where(mumu > 0, _reduce.real_sqrt(mumu), 1.0))
-    finite = jnp.all(jnp.isfinite(a)) & jnp.all(jnp.isfinite(bw)) & jnp.all(jnp.isfinite(extras))
+    finite = jnp.all(jnp.isfinite(a)) & jnp.all(jnp.isfinite(bw))
 
     # Finish column k - 1 (none at k = 0: u is r / ||r||).
     col = jnp.maximum(k - 1, 0)
     H = cy.H.at[:, col].add(jnp.where(k > 0, c, 0)).at[k, col].set(
         jnp.where(k > 0, nu, cy.H[k, col]))
+    # Columns of H represent A M on unit vectors: ||A M|| >= ||H[:, k - 1]||.
+    anorm = jnp.maximum(cy.anorm, jnp.where(k > 0, jnp.sqrt(jnp.sum(jnp.abs(H[:, col]) ** 2)), 0))
     nu_safe = jnp.where(finite & (nu > 0), nu, 1.0)
     cy, accept, happy = _finalize_column(
         cy._replace(anorm=anorm), col, jnp.where(finite, H[:, col], jnp.nan), nu,
-        tiny * anorm * cy.znorm, tol, enabled=k > 0)
+        tiny * anorm, tol, enabled=k > 0)
     flag = jnp.where(finite, cy.flag, code(Status.NONFINITE))
-    go = (k == 0) | (accept & ~happy)
+    go = finite & ((k == 0) | (accept & ~happy))
 
     # q_k, z_k and the first pass of the next direction.
     q = tree.scale(1.0 / nu_safe, tree.sub(u, tree.basis_combine(cy.V, c)))
-    V = tree.basis_set(cy.V, k, q)
+    V = tree.basis_set_if(cy.V, k, q, go)
     Z = cy.Z
     if Z is not None:
-        Z = tree.basis_set(Z, k, tree.scale(1.0 / nu_safe, tree.sub(
-            mu, tree.basis_combine(Z, c[: m + 1]))))
+        Z = tree.basis_set_if(Z, k, tree.scale(1.0 / nu_safe, tree.sub(
+            mu, tree.basis_combine(Z, c[: m + 1]))), go)
     qw = jnp.where(finished, bw, 0)
     qw = qw.at[k].set((bw[k] - jnp.sum(jnp.conj(c) * bw)) / nu_safe)
-    Hc = H[:, :] @ jnp.where(jnp.arange(m + 1) < k, c[: m + 1], 0)
+    Hc = H @ jnp.where(jnp.arange(m + 1) < k, c[: m + 1], 0)
     h_next = (qw - Hc) / nu_safe
     u_next = tree.scale(1.0 / nu_safe, tree.sub(w, tree.basis_combine(V, qw)))
     return cy._replace(
-        V=tree.where(go, tree.basis_set(V, k + 1, u_next), cy.V),
-        Z=None if Z is None else tree.where(go, Z, cy.Z),
+        V=tree.basis_set_if(V, k + 1, u_next, go),
+        Z=Z,
         H=jnp.where(go, H.at[:, k].set(h_next), H),
         k=k + 1,
-        znorm=cy.znorm if precond is None else (_reduce.real_sqrt(mumu) / nu_safe).astype(
-            cy.znorm.dtype),
         flag=jnp.where(go | (flag != RUNNING), flag, code(Status.BREAKDOWN)),
     )
 
@@ -220,7 +230,7 @@ def _arnoldi(matvec, b, *, precond, ip, m, orthogonalization):
                     H=jnp.zeros((m + 2, m + 1), dtype) if one_sync else None,
                     R=jnp.eye(m, dtype=dtype), cs=jnp.ones((m,), real),
                     sn=jnp.zeros((m,), dtype), g=jnp.zeros((m + 1,), dtype).at[0].set(beta),
-                    j=jnp.int32(0), k=jnp.int32(0), anorm=anorm, znorm=jnp.ones((), real),
+                    j=jnp.int32(0), k=jnp.int32(0), anorm=anorm,
                     flag=jnp.where(go, RUNNING, code(Status.MAX_STEPS)))
         return lax.while_loop(lambda c: (c.flag == RUNNING) & (c.k < steps),
                               functools.partial(step, tol=tol), cy)
@@ -229,7 +239,7 @@ def _arnoldi(matvec, b, *, precond, ip, m, orthogonalization):
 
 
 def _gmres_solve(matvec, b, *, x0, precond, restart, max_restarts, rtol, atol, ip,
-                 orthogonalization):
+                 orthogonalization, record_history):
     """The FGMRES iteration (not differentiated itself; see `gmres`)."""
     dtype = tree.result_dtype(b)
     real = jnp.finfo(dtype).dtype
@@ -267,16 +277,20 @@ def _gmres_solve(matvec, b, *, x0, precond, restart, max_restarts, rtol, atol, i
         return _Outer(x=x, k=st.k + cy.j, restarts=st.restarts + go.astype(jnp.int32),
                       status=status,
                       broke=cy.flag == code(Status.BREAKDOWN),
-                      rnorm=beta, tol=tol, anorm=cy.anorm)
+                      rnorm=beta, tol=tol, anorm=cy.anorm,
+                      history=_record(st.history, st.k, beta, cy))
 
     x = tree.zeros_like(b) if x0 is None else x0
     state = _Outer(x=x, k=jnp.int32(0), restarts=jnp.int32(0), status=code(RUNNING),
                    broke=jnp.bool_(False), rnorm=jnp.asarray(jnp.inf, real),
-                   tol=jnp.zeros((), real), anorm=jnp.zeros((), real))
+                   tol=jnp.zeros((), real), anorm=jnp.zeros((), real),
+                   history=jnp.full((max_restarts * m + m + 1,), jnp.nan, real)
+                   if record_history else None)
     # Each pass starts with the true residual; a pass with nothing left to do
     # (converged, broken down or out of restarts) ends the loop after that check.
     state = lax.while_loop(lambda st: st.status == RUNNING, cycle, state)
-    return make_solution(state.x, state.status, state.k, state.rnorm, state.tol)
+    return make_solution(state.x, state.status, state.k, state.rnorm, state.tol,
+                         history=state.history)
 
 
 def arnoldi_basis(matvec, b, *, restart: int, orthogonalization: str = "cgs2", precond=None,
@@ -313,6 +327,7 @@ def gmres(
     rtol: float = 1e-8,
     atol: float = 0.0,
     orthogonalization: str = "one_sync",
+    record_history: bool = False,
     inner_product=None,
     axis_name: str | tuple[str, ...] | None = None,
 ) -> Solution:
@@ -361,6 +376,10 @@ def gmres(
         rtol, atol: stop when `||b - A x|| <= max(atol, rtol * ||b||)`.
         inner_product: a `solvax.InnerProduct` (or `(x, y) -> scalar`).
         orthogonalization: `"one_sync"` (one reduction per step) or `"cgs2"` (two).
+        record_history: store the residual norm after every accepted step in
+            `Solution.history` (the true norm at each restart, the
+            least-squares estimate within a cycle; NaN-padded to
+            `max_restarts * restart + restart + 1`).
         inner_product: a `solvax.InnerProduct` (or `(x, y) -> scalar`).
         axis_name: inside `shard_map`, the mesh axis the vectors are split over.
 
@@ -391,7 +410,8 @@ def gmres(
     _checks.check_choice("orthogonalization", orthogonalization, ORTHOGONALIZATIONS)
     ip = _reduce.resolve(inner_product, axis_name)
     options = dict(precond=precond, restart=restart, max_restarts=max_restarts,
-                   rtol=rtol, atol=atol, ip=ip, orthogonalization=orthogonalization)
+                   rtol=rtol, atol=atol, ip=ip, orthogonalization=orthogonalization,
+                   record_history=bool(record_history))
     return implicit_solve(
         matvec,
         b,
