@@ -8,6 +8,8 @@ from helpers import dense_of, mesh, poisson_2d, put, rel_err, rhs
 
 import solvax as sx
 
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3])
+
 N = 120
 
 
@@ -55,8 +57,14 @@ def test_block_jacobi_sharded_is_local():
         return sx.pcg(lambda x: d * x, b, precond=sx.block_jacobi(blocks)).x
 
     report = sx.count_collectives(solve, d, b, blocks)
-    assert report.per_iteration == 2 and report.count("all-gather") == 0
-    assert report.count("all-to-all") == 0 and report.count("collective-permute") == 0
+    assert report.per_iteration == 2  # applying it adds nothing to CG's two reductions
+    in_loop = [c.kind for c in report.collectives if c.loops]
+    assert in_loop == ["all-reduce", "all-reduce"], str(report)
+    # Version gate, measured: the one-time block inversion (LAPACK getrf) is
+    # partitioned along the batch axis on jax 0.10.2; the 0.4-era partitioner
+    # gathers the blocks for it once, before the loop.
+    setup_gathers = report.count("all-gather")
+    assert setup_gathers == (0 if JAX_VERSION >= (0, 5, 0) else 1), str(report)
     x = jax.jit(solve)(d, b, blocks)
     assert x.sharding.is_equivalent_to(b.sharding, 1)
 
