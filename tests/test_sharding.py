@@ -325,3 +325,42 @@ def test_shard_map_mode_has_the_same_counts(name):
         total, per_iteration, adjoint_total), str(primal)
     assert set(primal.by_kind) == {"all-reduce"}
     assert tree_rel_err(jax.jit(f)(d, b), jax.jit(solve)(d, b)) < 1e-10
+
+
+# ------------------------------------------- tridiagonal along the sharded axis
+@pytest.mark.parametrize("ndev", [2, 4, 8])
+@pytest.mark.parametrize("batch", [(), (16,)])
+def test_partitioned_tridiagonal_counts(ndev, batch):
+    """One all-gather per solve (the reduced interface system), two for the
+    adjoint, independent of n, P and the batch; bytes independent of n."""
+    m = mesh(ndev)
+    rng = np.random.default_rng(3)
+
+    def args(n):
+        lower, upper, rhs = (put(jnp.asarray(rng.standard_normal((n, *batch))), m, "i")
+                             for _ in range(3))
+        diag = put(jnp.asarray(4.0 + rng.random((n, *batch))), m, "i")
+        return lower, diag, upper, rhs
+
+    def solve(*a):
+        return sx.partitioned_tridiagonal_solve(*a, axis_name="i", mesh=m)
+
+    small, big = args(ndev * 8), args(ndev * 64)
+    primal = sx.count_collectives(solve, *small)
+    adjoint = sx.count_collectives(jax.grad(loss(solve), argnums=(0, 1, 2, 3)), *small)
+    assert primal.total == 1 and primal.by_kind == {"all-gather": 1}, str(primal)
+    assert adjoint.total == 2 and adjoint.by_kind == {"all-gather": 2}, str(adjoint)
+    assert sx.count_collectives(solve, *big).bytes_by_kind == primal.bytes_by_kind
+
+
+def test_cyclic_tridiagonal_batch_sharded_is_collective_free():
+    m = mesh(8)
+    lower, diag, upper, rhs = tridiagonal_args(m)
+
+    def cyclic(*a):
+        return sx.cyclic_tridiagonal_solve(*a)
+
+    assert sx.count_collectives(cyclic, lower, diag, upper, rhs).total == 0
+    grad = jax.grad(loss(cyclic), argnums=(0, 1, 2, 3))
+    assert sx.count_collectives(grad, lower, diag, upper, rhs).total == 0
+    same_sharding(jax.jit(cyclic)(lower, diag, upper, rhs), rhs)

@@ -15,6 +15,8 @@ from .gmres import gmres as gmres
 from .linear_solve import linear_solve as linear_solve
 from .parallel import shard_batch as shard_batch
 from .parallel import shard_map as shard_map
+from .partitioned import cyclic_tridiagonal_solve as cyclic_tridiagonal_solve
+from .partitioned import partitioned_tridiagonal_solve as partitioned_tridiagonal_solve
 from .precond import block_jacobi as block_jacobi
 from .precond import chebyshev as chebyshev
 from .precond import estimate_spectrum as estimate_spectrum
@@ -31,10 +33,12 @@ __all__ = [
     "block_jacobi",
     "chebyshev",
     "count_collectives",
+    "cyclic_tridiagonal_solve",
     "estimate_spectrum",
     "gmres",
     "jacobi",
     "linear_solve",
+    "partitioned_tridiagonal_solve",
     "pcg",
     "pcg_linear_solve",
     "shard_batch",

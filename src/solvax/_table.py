@@ -22,6 +22,7 @@ from .comm import count_collectives
 from .gmres import gmres
 from .linear_solve import linear_solve
 from .parallel import shard_map
+from .partitioned import cyclic_tridiagonal_solve, partitioned_tridiagonal_solve
 from .tridiagonal import tridiagonal_solve
 
 
@@ -66,11 +67,18 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
     batch = 4 * n // 64
     lower, upper, rhs = (put(rng.standard_normal((24, batch)), None, "i") for _ in range(3))
     bands = (lower, put(4.0 + rng.random((24, batch)), None, "i"), upper, rhs)
+    split = tuple(put(rng.standard_normal((n, 4)) + (4.0 if k == 1 else 0.0), "i")
+                  for k in range(4))
     tree_d = {"vector": diag, "field": put(2.0 + rng.random((4, n)), None, "i")}
     tree_b = {"vector": vec(), "field": put(rng.standard_normal((4, n)), None, "i")}
     return {
         "batched tridiagonal, batch axis sharded": (
             lambda lo, d, up, r: tridiagonal_solve(lo, d, up, r), bands),
+        "cyclic tridiagonal, batch axis sharded": (
+            lambda lo, d, up, r: cyclic_tridiagonal_solve(lo, d, up, r), bands),
+        "tridiagonal, solve axis sharded (partitioned)": (
+            lambda lo, d, up, r: partitioned_tridiagonal_solve(lo, d, up, r, axis_name="i",
+                                                               mesh=mesh), split),
         "PCG": (lambda d, b: pcg(_diag(d), b).x, (diag, vec())),
         "PCG, single_reduction=True": (
             lambda d, b: pcg(_diag(d), b, single_reduction=True).x, (diag, vec())),

@@ -42,7 +42,8 @@ def _thomas(lower, diag, upper, rhs):
     """Thomas elimination with `lax.scan`: forward sweep, then back substitution."""
     lower, diag, upper = (_expand(band, rhs.ndim) for band in (lower, diag, upper))
     dtype = rhs.dtype
-    zero = jnp.zeros(jnp.broadcast_shapes(upper.shape[1:], rhs.shape[1:]), dtype)
+    # from the operands, so the carry has their type (varying inside shard_map)
+    zero = jnp.zeros_like(jnp.broadcast_arrays(upper[0], rhs[0])[0], dtype)
 
     def forward(carry, row):
         c_prev, y_prev = carry

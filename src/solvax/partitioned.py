@@ -1,0 +1,293 @@
+"""Tridiagonal systems split across devices along the solve axis, and cyclic systems.
+
+The partition (SPIKE) method: each device holds `L = n / P` consecutive rows.
+With its coupling entries `a = lower[0]` (to the previous block's last unknown)
+and `c = upper[L-1]` (to the next block's first unknown) dropped, its block
+`A_p` is tridiagonal and is solved locally three times:
+
+    y = A_p^{-1} f,   v = A_p^{-1} (a e_0),   w = A_p^{-1} (c e_{L-1}),
+
+so that `x = y - v x_prev_last - w x_next_first`. The first and last rows of
+that relation, over all blocks, are a reduced system in the 2P interface
+unknowns; its data (six numbers per block and right-hand side) is gathered to
+every device in one all-gather and solved redundantly (a 2x2-block Thomas
+sweep that is lower triangular per block, P steps), after which each device
+finishes its rows locally. No pivoting: the method is meant for diagonally
+dominant or symmetric positive-definite systems, like the Thomas algorithm.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _checks
+from .parallel import shard_map
+from .tridiagonal import (
+    _check_bands,
+    _expand,
+    _lax,
+    _shift_down,
+    _shift_up,
+    _thomas,
+    lax_supports,
+    tridiagonal_solve,
+)
+
+
+def _axis_size(axis_name) -> int:
+    return lax.psum(1, axis_name)  # a static int inside shard_map
+
+
+def _with_halo_down(x, first):
+    """`y[j] = x[j - 1]` with `y[0] = first` (the previous block's last row)."""
+    return _shift_down(x).at[0].set(first)
+
+
+def _with_halo_up(x, last):
+    """`y[j] = x[j + 1]` with `y[-1] = last` (the next block's first row)."""
+    return _shift_up(x).at[-1].set(last)
+
+
+def _local_solver(method, dtype, rows):
+    if method == "thomas" or (method == "auto" and not lax_supports(jnp.dtype(dtype), rows)):
+        return _thomas
+    return _lax
+
+
+def _reduced_solve(data):
+    """Solve the interface system for all blocks; `data[:, k]` is, per block,
+    `(v_0, v_L, w_0, w_L, y_0, y_L)`: `x_0 + v_0 X_prev + w_0 X_next = y_0`,
+    `x_L + v_L X_prev + w_L X_next = y_L` with `X_prev` the previous block's
+    last and `X_next` the next block's first unknown. Returns `(x_0, x_L)` per block."""
+    v0, vl, w0, wl, y0, yl = (data[:, k] for k in range(6))
+    zero = jnp.zeros_like(y0[0])
+
+    def forward(carry, row):
+        g2_prev, t2_prev = carry  # previous block: x_L = t2 - g2 x_next
+        v0, vl, w0, wl, y0, yl = row
+        pivot = 1 - v0 * g2_prev
+        t1 = (y0 - v0 * t2_prev) / pivot
+        g1 = w0 / pivot
+        t2 = yl - vl * t2_prev + vl * g2_prev * t1
+        g2 = wl + vl * g2_prev * g1
+        return (g2, t2), (g1, t1, g2, t2)
+
+    _, (g1, t1, g2, t2) = lax.scan(forward, (zero, zero), (v0, vl, w0, wl, y0, yl))
+
+    def backward(x_next_first, row):
+        g1, t1, g2, t2 = row
+        return t1 - g1 * x_next_first, (t1 - g1 * x_next_first, t2 - g2 * x_next_first)
+
+    _, (x0, xl) = lax.scan(backward, zero, (g1, t1, g2, t2), reverse=True)
+    return x0, xl
+
+
+def _forward(lower, diag, upper, rhs, axis_name, method):
+    """One partitioned solve inside `shard_map`: the local rows of `x`, the two
+    neighbouring interface values, and the neighbours' coupling band entries."""
+    nparts = _axis_size(axis_name)
+    p = lax.axis_index(axis_name)
+    rows = diag.shape[0]
+    solve = _local_solver(method, rhs.dtype, rows)
+    ndim = rhs.ndim
+    a = jnp.where(p == 0, 0, lower[0])
+    c = jnp.where(p == nparts - 1, 0, upper[-1])
+    y = solve(lower, diag, upper, rhs)
+    unit = jnp.zeros((rows,) + a.shape, rhs.dtype)
+    spikes = jnp.stack([unit.at[0].set(a), unit.at[-1].set(c)], axis=-1)
+    vw = solve(lower, diag, upper, spikes)
+    v, w = vw[..., 0], vw[..., 1]
+    shape = y.shape[1:]
+    pieces = [v[0], v[-1], w[0], w[-1], y[0], y[-1], lower[0], upper[-1]]
+    local = jnp.stack([jnp.broadcast_to(_expand(q, ndim - 1), shape).astype(rhs.dtype)
+                       for q in pieces])
+    data = lax.all_gather(local, axis_name)  # (P, 8, *shape): the one exchange
+    x0, xl = _reduced_solve(data[:, :6])
+    prev = jnp.maximum(p - 1, 0)
+    nxt = jnp.minimum(p + 1, nparts - 1)
+    x_prev = jnp.where(p == 0, 0, xl[prev])
+    x_next = jnp.where(p == nparts - 1, 0, x0[nxt])
+    x = y - _expand(v, ndim) * x_prev[None] - _expand(w, ndim) * x_next[None]
+    neighbours = (jnp.where(p == 0, 0, data[prev, 7]), jnp.where(p == nparts - 1, 0, data[nxt, 6]))
+    return x, (x_prev, x_next), neighbours
+
+
+def _band_shaped(value, rhs_ndim, band_ndim):
+    """A gathered band entry (broadcast over the rhs-only axes) back to band shape."""
+    extra = rhs_ndim - band_ndim
+    return value[(Ellipsis,) + (0,) * extra] if extra else value
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _partitioned(lower, diag, upper, rhs, axis_name, method):
+    return _forward(lower, diag, upper, rhs, axis_name, method)[0]
+
+
+@_partitioned.defjvp
+def _partitioned_jvp(axis_name, method, primals, tangents):
+    lower, diag, upper, rhs = primals
+    dlower, ddiag, dupper, drhs = tangents
+    x, (x_prev, x_next), (upper_prev, lower_next) = _forward(lower, diag, upper, rhs,
+                                                            axis_name, method)
+    ndim = rhs.ndim
+    dA_x = (_expand(dlower, ndim) * _with_halo_down(x, x_prev)
+            + _expand(ddiag, ndim) * x + _expand(dupper, ndim) * _with_halo_up(x, x_next))
+    upper_prev = _band_shaped(upper_prev, ndim, diag.ndim)
+    lower_next = _band_shaped(lower_next, ndim, diag.ndim)
+    lower_t = _with_halo_down(upper, upper_prev)  # bands of A^T, neighbours' entries included
+    upper_t = _with_halo_up(lower, lower_next)
+
+    def matvec(z):  # A z with a ppermute halo; traced for the transpose, never run
+        nparts = _axis_size(axis_name)
+        down = lax.ppermute(z[-1], axis_name, [(k, k + 1) for k in range(nparts - 1)])
+        up = lax.ppermute(z[0], axis_name, [(k + 1, k) for k in range(nparts - 1)])
+        return (_expand(lower, ndim) * _with_halo_down(z, down) + _expand(diag, ndim) * z
+                + _expand(upper, ndim) * _with_halo_up(z, up))
+
+    dx = lax.custom_linear_solve(
+        matvec, drhs - dA_x,
+        lambda _, b: _forward(lower, diag, upper, b, axis_name, method)[0],
+        lambda _, b: _forward(lower_t, diag, upper_t, b, axis_name, method)[0])
+    return x, dx
+
+
+def partitioned_tridiagonal_solve(lower, diag, upper, rhs, *, axis_name, mesh=None,
+                                  method: str = "auto"):
+    """Solve tridiagonal systems whose solve (leading) axis is split over devices.
+
+    Same layout and meaning as `tridiagonal_solve` (row `j`:
+    `lower[j] x[j-1] + diag[j] x[j] + upper[j] x[j+1] = rhs[j]`, bands
+    `(n, *B)`, `rhs` `(n, *B, *K)`), but the leading axis is sharded over the
+    mesh axis `axis_name` in `P` equal blocks. Each device eliminates its own
+    rows, one all-gather exchanges the reduced interface system (6 values per
+    block and right-hand side, independent of `n`), and each device finishes
+    its rows: one collective per solve. Derivatives with respect to all four
+    inputs (`jvp`, `grad`): the tangent is one more partitioned solve and the
+    adjoint one partitioned solve with the transposed bands — two collectives.
+
+    No pivoting: use it for diagonally dominant or Hermitian positive-definite
+    systems (the reduced system inherits their stability); otherwise, as with
+    Thomas, a zero or tiny pivot gives non-finite or inaccurate values —
+    check `jnp.isfinite(x)` or the residual.
+
+    Args:
+        lower, diag, upper: bands, each `(n, *B)`.
+        rhs: `(n, *B, *K)`.
+        axis_name: the mesh axis the leading axis is split over.
+        mesh: the mesh. With it, the function takes global arrays (use it
+            under `jit`; the leading axis is sharded `P(axis_name)` inside);
+            without it, it must be called inside `shard_map` on local blocks.
+        method: local solver: `"thomas"`, `"lax"` or `"auto"`.
+
+    Returns:
+        `x` with the shape, dtype (and, with `mesh`, the leading-axis
+        sharding) of `rhs`.
+
+    Raises:
+        ValueError: bands of different shapes, `rhs` not starting with the
+            bands' shape, an unknown `method`, `n` not divisible by the number
+            of devices, fewer than 2 rows per device, or (for concrete
+            arrays) a sharding of `axis_name` on a non-leading axis.
+
+    References: H. H. Wang, ACM Trans. Math. Softw. 7 (1981); E. Polizzi and
+    A. Sameh, Parallel Comput. 32 (2006); K.-H. Kim et al., "PaScaL_TDMA",
+    Comput. Phys. Commun. 260 (2021).
+    """
+    _checks.check_choice("method", method, ("auto", "thomas", "lax"))
+    _check_bands(lower, diag, upper, rhs)
+    dtype = jnp.result_type(lower, diag, upper, rhs)
+    lower, diag, upper, rhs = (jnp.asarray(a, dtype) if not isinstance(a, jax.Array) else
+                               a.astype(dtype) for a in (lower, diag, upper, rhs))
+    if mesh is None:
+        nparts = _axis_size(axis_name)
+        local_rows = diag.shape[0]
+    else:
+        if axis_name not in mesh.axis_names:
+            raise ValueError(f"`axis_name` {axis_name!r} is not an axis of the mesh "
+                             f"{tuple(mesh.axis_names)}.")
+        nparts = mesh.shape[axis_name]
+        for name, arr in (("lower", lower), ("diag", diag), ("upper", upper), ("rhs", rhs)):
+            _check_leading_sharding(name, arr, axis_name)
+        if diag.shape[0] % nparts:
+            raise ValueError(f"The solve axis has n = {diag.shape[0]} rows, not divisible by the "
+                             f"{nparts} devices of mesh axis {axis_name!r}; pad the system "
+                             "(e.g. identity rows) to a multiple.")
+        local_rows = diag.shape[0] // nparts
+    if local_rows < 2:
+        raise ValueError(f"The partitioned solve needs at least 2 rows per device; got "
+                         f"{local_rows} (n = {local_rows * nparts} over {nparts} devices). "
+                         "Use `tridiagonal_solve` without `axis_name` for such small systems.")
+    if mesh is None:
+        return _partitioned(lower, diag, upper, rhs, axis_name, method)
+    spec = jax.sharding.PartitionSpec(axis_name)
+    run = shard_map(lambda *a: _partitioned(*a, axis_name, method), mesh=mesh,
+                    in_specs=(spec,) * 4, out_specs=spec)
+    return run(lower, diag, upper, rhs)
+
+
+def _check_leading_sharding(name, arr, axis_name):
+    """A concrete array must not have `axis_name` on a non-leading axis."""
+    sharding = getattr(arr, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if isinstance(arr, jax.core.Tracer) or spec is None:
+        return
+    for axis, entry in enumerate(spec):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if axis > 0 and axis_name in names:
+            raise ValueError(
+                f"`{name}` is sharded over {axis_name!r} on axis {axis} ({spec}); the "
+                "partitioned solve splits the leading (solve) axis. Shard it "
+                f"P({axis_name!r}, ...) or use `tridiagonal_solve` without `axis_name` "
+                "(batch axes sharded: no communication).")
+
+
+def cyclic_tridiagonal_solve(lower, diag, upper, rhs, *, method: str = "auto"):
+    """Solve periodic tridiagonal systems: `lower[0]` couples row 0 to `x[n-1]`
+    and `upper[-1]` couples row `n-1` to `x[0]`.
+
+    Sherman–Morrison on top of `tridiagonal_solve`: with `gamma = -diag[0]`,
+    `u = (gamma, 0, ..., 0, upper[-1])`, `v = (1, 0, ..., 0, lower[0] / gamma)`,
+    the matrix is `A' + u v^T` where `A'` is tridiagonal with
+    `diag'[0] = diag[0] - gamma` and `diag'[-1] = diag[-1] - upper[-1] lower[0] / gamma`;
+    then `x = y - (v.y / (1 + v.z)) z` with `A' y = rhs`, `A' z = u`. Everything
+    is per batch entry (the dot products are over the local system axis), so a
+    sharded batch axis costs no communication, forward or reverse, and the
+    derivative comes from the two tridiagonal solves.
+
+    Args:
+        lower, diag, upper: bands `(n, *B)`, `n >= 3`; `lower[0]` and
+            `upper[-1]` are the corner entries.
+        rhs: `(n, *B, *K)`.
+        method: as for `tridiagonal_solve`.
+
+    Returns:
+        `x` with the shape and dtype of `rhs`.
+
+    Raises:
+        ValueError: as `tridiagonal_solve`, or `n < 3`.
+
+    Reference: W. H. Press et al., Numerical Recipes, 3rd ed., sec. 2.7.2.
+    """
+    _check_bands(lower, diag, upper, rhs)
+    if diag.shape[0] < 3:
+        raise ValueError(f"`cyclic_tridiagonal_solve` needs n >= 3 rows; got {diag.shape[0]}.")
+    dtype = jnp.result_type(lower, diag, upper, rhs)
+    lower, diag, upper, rhs = (jnp.asarray(a, dtype) for a in (lower, diag, upper, rhs))
+    alpha, beta = upper[-1], lower[0]  # A[n-1, 0] and A[0, n-1]
+    gamma = -diag[0]
+    diag_mod = diag.at[0].add(-gamma).at[-1].add(-alpha * beta / gamma)
+    u = jnp.zeros_like(diag).at[0].set(gamma).at[-1].set(alpha)
+    y = tridiagonal_solve(lower, diag_mod, upper, rhs, method=method)
+    z = tridiagonal_solve(lower, diag_mod, upper, u, method=method)
+    ndim = rhs.ndim
+
+    def v_dot(t):  # v.t over the system axis, per batch entry
+        return t[0] + _expand(beta / gamma, t.ndim - 1) * t[-1]
+
+    factor = v_dot(y) / _expand(1 + v_dot(z), ndim - 1)
+    return y - _expand(z, ndim) * factor[None]
+
