@@ -1,0 +1,45 @@
+"""Smoke tests: every benchmark script runs on a tiny problem (no timing asserted)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run(script, *args):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True,
+                          text=True, env=env, timeout=600, check=True).stdout
+
+
+def test_benchmark_convergence_small(tmp_path):
+    path = tmp_path / "conv.json"
+    out = run("benchmark_convergence.py", "--small", "--json", str(path))
+    results = json.loads(path.read_text())["results"]
+    assert {r["solver"] for r in results} >= {"pcg standard", "pcg pipelined", "gmres cgs2",
+                                              "gmres one_sync"}
+    assert all(r["status"] == "CONVERGED" for r in results), out
+    assert all(r["true_relative_residual"] <= 1e-8 for r in results)
+
+
+def test_benchmark_peers_small(tmp_path):
+    path = tmp_path / "peers.json"
+    run("benchmark_peers.py", "--small", "--json", str(path))
+    data = json.loads(path.read_text())
+    solvers = {r["solver"] for r in data["problems"]}
+    assert {"solvax pcg", "jax.scipy cg", "solvax gmres one_sync"} <= solvers
+    assert all(r["true_relative_residual"] < 1e-7 for r in data["problems"]
+               if r["solver"].startswith("solvax"))
+    assert {r["solver"]: r["all_reduces_per_iteration"] for r in data["latency"]}[
+        "solvax pcg single_reduction"] == 1
+
+
+def test_benchmark_tridiagonal_small(tmp_path):
+    path = tmp_path / "tri.json"
+    run("benchmark_tridiagonal.py", "--n", "4096", "--json", str(path))
+    data = json.loads(path.read_text())
+    assert data["collectives"]["total"] == 1
+    assert data["thomas"]["relative_difference"] < 1e-12
