@@ -11,7 +11,6 @@ residual history (plotted with `--plot`, which needs matplotlib: the `bench`
 extra). `--small` uses 64 x 64 and 32 x 32 grids (a smoke test).
 """
 
-import argparse
 import json
 import time
 
@@ -21,25 +20,12 @@ jax.config.update("jax_enable_x64", True)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from problems import convection_diffusion, parse_args, poisson  # noqa: E402
 
 import solvax as sx  # noqa: E402
 
 RTOL = 1e-8
 RESTART = 30
-
-
-def poisson(x):
-    xp = jnp.pad(x, 1)
-    return 4 * x - xp[:-2, 1:-1] - xp[2:, 1:-1] - xp[1:-1, :-2] - xp[1:-1, 2:]
-
-
-def convection_diffusion(strength):
-    def matvec(x):
-        xp = jnp.pad(x, 1)
-        h = 1.0 / (x.shape[0] + 1)
-        return poisson(x) + strength * h * (x - xp[:-2, 1:-1])
-
-    return matvec
 
 
 def line_blocks(n, bs, diag, lower, upper):
@@ -104,11 +90,7 @@ def run_one(matvec, b, options, precond):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="PATH")
-    parser.add_argument("--plot", metavar="PATH")
-    parser.add_argument("--small", action="store_true")
-    args = parser.parse_args()
+    args = parse_args(__doc__)
 
     sizes = {"poisson": 64, "convection-diffusion": 32} if args.small else {
         "poisson": 512, "convection-diffusion": 256}

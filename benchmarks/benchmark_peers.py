@@ -13,7 +13,6 @@ round-robin, matvecs, true final relative residual, time per matvec and the
 ratio to the fastest peer. `--small` shrinks every problem (a smoke test).
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -32,6 +31,7 @@ import jax.scipy.sparse.linalg as jsp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from problems import convection_diffusion, parse_args, poisson  # noqa: E402
 
 import solvax as sx  # noqa: E402
 
@@ -43,16 +43,6 @@ except ImportError:  # the `bench` extra is optional
 
 RTOL = 1e-8
 REPEATS = 5
-
-
-def poisson(x):
-    xp = jnp.pad(x, 1)
-    return 4 * x - xp[:-2, 1:-1] - xp[2:, 1:-1] - xp[1:-1, :-2] - xp[1:-1, 2:]
-
-
-def convection_diffusion(x):
-    xp = jnp.pad(x, 1)
-    return poisson(x) + 10.0 / (x.shape[0] + 1) * (x - xp[:-2, 1:-1])
 
 
 def lineax_solve(matvec, b, solver_cls, tags=(), **kw):
@@ -192,11 +182,7 @@ def latency(n, iterations=200):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="PATH")
-    parser.add_argument("--plot", metavar="PATH")
-    parser.add_argument("--small", action="store_true")
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     n_poisson, n_cd = (32, 16) if args.small else (512, 256)
     rng = np.random.default_rng(0)
     meta = {"jax": jax.__version__, "lineax": getattr(lx, "__version__", None),
@@ -206,7 +192,8 @@ def main():
     rows = []
     rows += problem(f"Poisson {n_poisson}x{n_poisson}", poisson, cg_solvers,
                     jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_poisson, n_poisson))))
-    rows += problem(f"convection-diffusion {n_cd}x{n_cd}", convection_diffusion, gmres_solvers,
+    rows += problem(f"convection-diffusion {n_cd}x{n_cd}", convection_diffusion(10.0),
+                    gmres_solvers,
                     jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_cd, n_cd))))
     print(f"{'problem':28s} {'solver':30s} {'compile s':>9s} {'run s':>8s} {'matvecs':>7s} "
           f"{'ms/matvec':>9s} {'true rel.res':>12s} {'/fastest peer':>13s}")

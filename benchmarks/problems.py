@@ -1,0 +1,31 @@
+"""What the problem benchmarks share: matrix-free operators and command-line options."""
+
+import jax.numpy as jnp
+
+
+def poisson(x):
+    """5-point Dirichlet Laplacian on a 2-D grid (unscaled)."""
+    xp = jnp.pad(x, 1)
+    return 4 * x - xp[:-2, 1:-1] - xp[2:, 1:-1] - xp[1:-1, :-2] - xp[1:-1, 2:]
+
+
+def convection_diffusion(strength=10.0):
+    """Upwind convection-diffusion `-Δu + c ∂u/∂x` (axis 0), grid spacing 1/(n+1)."""
+
+    def matvec(x):
+        xp = jnp.pad(x, 1)
+        h = 1.0 / (x.shape[0] + 1)
+        return poisson(x) + strength * h * (x - xp[:-2, 1:-1])
+
+    return matvec
+
+
+def parse_args(doc):
+    """The options every problem benchmark takes: --json, --plot, --small."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="draw a PNG (needs matplotlib)")
+    parser.add_argument("--small", action="store_true", help="tiny problems (a smoke test)")
+    return parser.parse_args()
