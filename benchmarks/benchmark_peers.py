@@ -162,7 +162,9 @@ def pytree_compile(n_leaves, size):
 def latency(n, iterations=200):
     mesh = Mesh(np.array(jax.devices()[:8]), ("i",))
     sharding = NamedSharding(mesh, P("i"))
-    d = jax.device_put(jnp.asarray(2.0 + np.arange(n) / n), sharding)
+    # a spread spectrum (condition 1e4), so no variant converges or breaks down
+    # before the 200 steps: every run really takes them (checked below)
+    d = jax.device_put(jnp.asarray(1.0 + 1e4 * np.arange(n) / n), sharding)
     b = jax.device_put(jnp.ones(n), sharding)
     fns = {
         "solvax pcg": lambda d, b: sx.pcg(lambda x: d * x, b, rtol=0.0, max_steps=iterations).x,
@@ -175,6 +177,10 @@ def latency(n, iterations=200):
     }
     runs = interleaved(fns, d, b)
     base = runs["jax.scipy cg"]
+    for method in ("standard", "single_reduction", "pipelined"):
+        steps = int(sx.pcg(lambda x: d * x, b, rtol=0.0, max_steps=iterations,
+                           method=method).iterations)
+        assert steps == iterations, (method, steps)
     return [dict(problem=f"latency-bound mesh, n={n}, 8 devices", solver=k,
                  ms_per_iteration=1e3 * t / iterations, ratio_to_jax_scipy=t / base,
                  all_reduces_per_iteration=sx.count_collectives(fns[k], d, b).per_iteration)
