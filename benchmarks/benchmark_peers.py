@@ -211,7 +211,7 @@ def main():
     print("compile time (s) of CG with 1 / 4 / 16 pytree leaves:")
     for solver in compiles[1]:
         print(f"  {solver:14s} " + " / ".join(f"{compiles[k][solver]:.3f}" for k in compiles))
-    lat = latency(512 if args.small else 4096) + ([] if args.small else latency(65536))
+    lat = latency(4096) + ([] if args.small else latency(65536))
     for r in lat:
         print(f"{r['problem']:40s} {r['solver']:28s} {r['ms_per_iteration']:8.4f} ms/it "
               f"({r['ratio_to_jax_scipy']:.2f}x jax.scipy, "
