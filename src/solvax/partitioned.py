@@ -29,11 +29,9 @@ from .parallel import shard_map
 from .tridiagonal import (
     _check_bands,
     _expand,
-    _lax,
     _shift_down,
     _shift_up,
-    _thomas,
-    lax_supports,
+    solver_for,
     tridiagonal_solve,
 )
 
@@ -50,12 +48,6 @@ def _with_halo_down(x, first):
 def _with_halo_up(x, last):
     """`y[j] = x[j + 1]` with `y[-1] = last` (the next block's first row)."""
     return _shift_up(x).at[-1].set(last)
-
-
-def _local_solver(method, dtype, rows):
-    if method == "thomas" or (method == "auto" and not lax_supports(jnp.dtype(dtype), rows)):
-        return _thomas
-    return _lax
 
 
 def _reduced_solve(data):
@@ -92,7 +84,7 @@ def _forward(lower, diag, upper, rhs, axis_name, method):
     nparts = _axis_size(axis_name)
     p = lax.axis_index(axis_name)
     rows = diag.shape[0]
-    solve = _local_solver(method, rhs.dtype, rows)
+    solve = solver_for(method, rhs.dtype, rows)
     ndim = rhs.ndim
     a = jnp.where(p == 0, 0, lower[0])
     c = jnp.where(p == nparts - 1, 0, upper[-1])

@@ -91,6 +91,19 @@ def lax_supports(dtype, n: int) -> bool:
     return True
 
 
+def solver_for(method: str, dtype, rows: int):
+    """The elimination routine `method` names for this dtype and system size
+    (`"auto"`: LAPACK where this JAX supports it, else Thomas)."""
+    supported = lax_supports(jnp.dtype(dtype), rows)
+    if method == "auto":
+        method = "lax" if supported else "thomas"
+    elif method == "lax" and not supported:
+        raise ValueError(f"`method='lax'`: this JAX's `lax.linalg.tridiagonal_solve` does not "
+                         f"support dtype {jnp.dtype(dtype).name} with n = {rows} rows; "
+                         "use method='thomas' or 'auto'.")
+    return _thomas if method == "thomas" else _lax
+
+
 def _check_bands(lower, diag, upper, rhs):
     for name, band in (("lower", lower), ("diag", diag), ("upper", upper), ("rhs", rhs)):
         _checks.check_vector(name, band)
@@ -153,14 +166,7 @@ def tridiagonal_solve(lower, diag, upper, rhs, *, method: str = "auto"):
     _check_bands(lower, diag, upper, rhs)
     dtype = jnp.result_type(lower, diag, upper, rhs)
     lower, diag, upper, rhs = (jnp.asarray(a, dtype) for a in (lower, diag, upper, rhs))
-    supported = lax_supports(jnp.dtype(dtype), int(diag.shape[0]))
-    if method == "auto":
-        method = "lax" if supported else "thomas"
-    elif method == "lax" and not supported:
-        raise ValueError(f"`method='lax'`: this JAX's `lax.linalg.tridiagonal_solve` does not "
-                         f"support dtype {jnp.dtype(dtype).name} with n = {diag.shape[0]} rows; "
-                         "use method='thomas' or 'auto'.")
-    solve = _thomas if method == "thomas" else _lax
+    solve = solver_for(method, dtype, int(diag.shape[0]))
 
     def primal(_, b):
         return solve(lower, diag, upper, b)
