@@ -21,6 +21,11 @@ from jax import lax
 PyTree = Any
 Pair = tuple[PyTree, PyTree]
 
+#: Whether XLA merges the independent all-reduces of one step into one under
+#: `jit` (its all-reduce combiner): measured (tests/test_sharding.py pins it)
+#: not on jax 0.4.38, 0.5.3 and 0.6.2; yes on 0.7.2, 0.8.3, 0.9.2 and 0.10.2.
+MERGES_ALL_REDUCES = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 7)
+
 
 class InnerProduct:
     """The inner product `<x, y> = sum_leaves sum(conj(x) * weight * y)`.
@@ -76,37 +81,65 @@ class InnerProduct:
         """`V^H x` (length m) in one reduction; `basis` has leaves `(m, *leaf.shape)`."""
         return self.project_many(basis, [x])[0]
 
+    def _separate_kernels(self) -> bool:
+        """Whether the products of one step may run as separate fast kernels.
+
+        Inside `shard_map` (`axis_name` set) their local partials are stacked
+        before the one `psum`, so always. Under `jit` each separate contraction
+        gets its own all-reduce from the partitioner, which only XLA's
+        all-reduce combiner merges back into one: so only where it does
+        (`MERGES_ALL_REDUCES`); elsewhere the block forms below guarantee one
+        reduction by construction, at a speed cost on the CPU.
+        """
+        return self.axis_name is not None or MERGES_ALL_REDUCES
+
     def project_many(self, basis: PyTree, xs: Sequence[PyTree]) -> jax.Array:
         """`[V^H x for x in xs]`, shape `(len(xs), m)`, in one reduction.
 
-        Per leaf one contraction over the vector axes (`dot_general`: the
+        Per leaf, contractions over the vector axes (`dot_general`: the
         partitioner reduces a sharded contracting axis with one all-reduce, and
-        on one device it is a BLAS product), conjugating the vectors rather
-        than the basis: `V^H x = conj(V^T conj(x))`.
+        on one device it is a BLAS GEMV), conjugating the vectors rather than
+        the basis: `V^H x = conj(V^T conj(x))`. With separate kernels, one GEMV
+        per vector (XLA's CPU GEMM with two right-hand columns is 3x slower
+        than two GEMVs); otherwise one contraction with the vectors stacked.
         """
         vs = self._leaves(basis)
         xls = [self._leaves(self._weighted(x)) for x in xs]
         partials = []
         for leaf, v in enumerate(vs):
-            stacked = jnp.stack([jnp.conj(xl[leaf]) for xl in xls], axis=-1)
             axes = tuple(range(v.ndim - 1))
-            # basis first: (m, *shape) . (*shape, s) -> (m, s), a plain GEMV/GEMM
-            partials.append(lax.dot_general(v, stacked, ((tuple(a + 1 for a in axes), axes),
-                                                         ((), ()))))
+            vector_axes = tuple(a + 1 for a in axes)
+            if self._separate_kernels():
+                partials.append(jnp.stack([
+                    lax.dot_general(v, jnp.conj(xl[leaf]), ((vector_axes, axes), ((), ())))
+                    for xl in xls]).T)
+            else:
+                stacked = jnp.stack([jnp.conj(xl[leaf]) for xl in xls], axis=-1)
+                # basis first: (m, *shape) . (*shape, s) -> (m, s)
+                partials.append(lax.dot_general(v, stacked, ((vector_axes, axes), ((), ()))))
         return jnp.conj(self._global_sum(partials)).T
 
     def project_with_norm(self, basis: PyTree, x: PyTree) -> tuple[jax.Array, jax.Array]:
-        """`(V^H x, <x, x>)` in one reduction: the products are stacked elementwise
-        before one sum (a slower path than `project_many`'s contraction, used
-        where the squared norm must share the projection's reduction)."""
+        """`(V^H x, <x, x>)` in one reduction.
+
+        With separate kernels, a GEMV and a squared norm per leaf; otherwise the
+        products are stacked elementwise before one sum (one reduction by
+        construction, slower)."""
         vs = self._leaves(basis)
         xs = self._leaves(x)
         xws = self._leaves(self._weighted(x))
         partials = []
         for v, xl, xw in zip(vs, xs, xws):
-            stacked = jnp.concatenate([jnp.conj(v) * xw[None], (jnp.conj(xl) * xw)[None]],
-                                      axis=0)  # along the small leading (stacking) axis
-            partials.append(jnp.sum(stacked, axis=tuple(range(1, stacked.ndim))))
+            axes = tuple(range(v.ndim - 1))
+            if self._separate_kernels():
+                projection = jnp.conj(lax.dot_general(
+                    v, jnp.conj(xw), ((tuple(a + 1 for a in axes), axes), ((), ()))))
+                partials.append(jnp.concatenate([projection, jnp.sum(jnp.conj(xl) * xw)[None]],
+                                                axis=0))  # the small result vectors
+            else:
+                stacked = jnp.concatenate([jnp.conj(v) * xw[None], (jnp.conj(xl) * xw)[None]],
+                                          axis=0)  # along the small leading (stacking) axis
+                partials.append(jnp.sum(stacked, axis=tuple(range(1, stacked.ndim))))
         total = self._global_sum(partials)
         return total[:-1], total[-1]
 

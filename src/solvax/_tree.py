@@ -45,6 +45,19 @@ def axpy(a, x: PyTree, y: PyTree) -> PyTree:
     return tree_map(lambda u, v: (a * u + v).astype(v.dtype), x, y)
 
 
+def after(x: PyTree, dep: PyTree) -> PyTree:
+    """`x`, made data-dependent on `dep` (`x + 0 * dep`, leaf by leaf).
+
+    A loop body that reads an old vector to build `dep` and also overwrites
+    that vector with `x` leaves XLA two unordered readers of the old buffer,
+    and its copy insertion then copies the whole vector every step. The
+    dependency orders `x` after `dep`, so the update happens in place. Exact
+    for finite `dep`; a non-finite `dep` makes `x` non-finite too (which the
+    solvers report as `NONFINITE`).
+    """
+    return tree_map(lambda u, v: u + jnp.zeros((), u.dtype) * v.astype(u.dtype), x, dep)
+
+
 def where(pred, x: PyTree, y: PyTree) -> PyTree:
     """Select `x` where the scalar `pred` holds, else `y` (leaf by leaf)."""
     return tree_map(lambda u, v: jnp.where(pred, u, v), x, y)
@@ -81,18 +94,32 @@ def basis_set(basis: PyTree, j, x: PyTree) -> PyTree:
     )
 
 
-def basis_set_if(basis: PyTree, j, x: PyTree, pred) -> PyTree:
-    """The basis with vector `j` replaced by `x` where the scalar `pred` holds.
+def basis_fill(basis: PyTree, j, x: PyTree, pred) -> PyTree:
+    """The basis with row `j` set to `x` where the scalar `pred` holds, else to zeros.
 
-    Selects on the one row, not on the whole basis (which would copy it)."""
-    return basis_set(basis, j, where(pred, x, basis_get(basis, j)))
+    For a row that is still zero (or no longer needed once `pred` fails: the
+    Arnoldi cycle then ends). The update never reads the basis, so XLA writes
+    the row in place instead of copying the whole basis every step."""
+    return basis_set(basis, j, tree_map(lambda v: jnp.where(pred, v, jnp.zeros_like(v)), x))
 
 
 def basis_combine(basis: PyTree, coeffs) -> PyTree:
     """`sum_j coeffs[j] * basis[j]`: a contraction over the basis axis only."""
+    return basis_combine_many(basis, [coeffs])[0]
+
+
+def basis_combine_many(basis: PyTree, coeffs: list) -> list[PyTree]:
+    """`[sum_j c[j] * basis[j] for c in coeffs]` in one pass over the basis.
+
+    Per leaf one contraction of the stacked coefficients `(s, m)` with the
+    basis `(m, ...)`: a GEMM that reads the basis once (measured on XLA's CPU
+    backend: two combinations in one product take 0.32 ms where two separate
+    ones take 0.37 ms, for a 32 x 256 x 256 basis)."""
+    stacked = jnp.stack(coeffs)
 
     def combine(leaf):
-        c = coeffs.astype(jnp.result_type(leaf.dtype, coeffs.dtype))
-        return jnp.tensordot(c, leaf, axes=(0, 0)).astype(leaf.dtype)
+        c = stacked.astype(jnp.result_type(leaf.dtype, stacked.dtype))
+        return jnp.tensordot(c, leaf, axes=(1, 0)).astype(leaf.dtype)
 
-    return tree_map(combine, basis)
+    combined = tree_map(combine, basis)
+    return [tree_map(lambda leaf, i=i: leaf[i], combined) for i in range(len(coeffs))]

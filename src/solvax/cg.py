@@ -159,8 +159,9 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
         beta, alpha, status, go = _recurrence(st, gamma, delta, go)
         p = tree.axpy(beta, st.p, u)
         s = tree.axpy(beta, st.s, w)
+        # p reads the old r; r is updated after p (in place, no copy of r).
         return _advance(st, go, alpha, gamma, status, x=tree.axpy(alpha, p, st.x),
-                        r=tree.axpy(-alpha, s, st.r), p=p, s=s)
+                        r=tree.after(tree.axpy(-alpha, s, st.r), p), p=p, s=s)
 
     def pipelined(st: _State) -> _State:
         # Ghysels & Vanroose (2014), Alg. 4: the one reduction of the step does not
@@ -182,10 +183,11 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
         s = tree.axpy(beta, st.s, st.w)
         p = tree.axpy(beta, st.p, u)
         q = s if identity else tree.axpy(beta, st.q, m)
-        new = dict(x=tree.axpy(alpha, p, st.x), r=tree.axpy(-alpha, s, st.r),
-                   w=tree.axpy(-alpha, z, st.w), p=p, s=s, z=z)
+        # Each vector is overwritten after the readers of its old value (in place).
+        new = dict(x=tree.axpy(alpha, p, st.x), r=tree.after(tree.axpy(-alpha, s, st.r), p),
+                   w=tree.after(tree.axpy(-alpha, z, st.w), s), p=p, s=s, z=z)
         if not identity:
-            new.update(u=tree.axpy(-alpha, q, u), q=q)
+            new.update(u=tree.after(tree.axpy(-alpha, q, u), p), q=q)
         st = _advance(st, go, alpha, gamma, status, **new)
         if residual_replacement:
             st = lax.cond(go & (st.k % residual_replacement == 0), replace, lambda s: s, st)

@@ -26,6 +26,7 @@ class _Cycle(NamedTuple):
     """One Arnoldi cycle: basis, rotated Hessenberg and rotations."""
 
     V: PyTree  # (m + 1, ...) orthonormal basis; one_sync: (m + 2, ...), row k pending
+    u: PyTree | None  # one_sync: the pending row k of V, also kept apart (see below)
     Z: PyTree  # (m, ...) preconditioned directions (None without a preconditioner)
     H: jax.Array | None  # one_sync: the unrotated Hessenberg (m + 2, m + 1)
     R: jax.Array  # (m, m) upper triangular: the Hessenberg after Givens rotations
@@ -142,8 +143,8 @@ def _cgs2_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     keep = accept & ~happy
     v_next = tree.scale(1.0 / jnp.where(keep, hnext, 1.0), w)
     return cy._replace(
-        V=tree.basis_set_if(cy.V, j + 1, v_next, keep),
-        Z=None if cy.Z is None else tree.basis_set_if(cy.Z, j, z, accept),
+        V=tree.basis_fill(cy.V, j + 1, v_next, keep),
+        Z=None if cy.Z is None else tree.basis_fill(cy.Z, j, z, accept),
         k=cy.k + 1,
     )
 
@@ -165,7 +166,11 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     k = cy.k
     rows = cy.H.shape[0]  # m + 2
     m = rows - 2
-    u = tree.basis_get(cy.V, k)
+    # The pending vector is row k of V (so the one projection also gives <u, u>
+    # and <u, w>) and is kept apart as well: the updates of rows k and k + 1 read
+    # it from there, not from V, so XLA writes them in place (were u sliced from V
+    # inside them, each step would copy the whole basis).
+    u = cy.u
     with jax.named_scope("solvax.gmres.precond"):
         mu = precond(u) if precond is not None else u
     with jax.named_scope("solvax.gmres.matvec"):
@@ -191,20 +196,24 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     flag = jnp.where(finite, cy.flag, code(Status.NONFINITE))
     go = finite & ((k == 0) | (accept & ~happy))
 
-    # q_k, z_k and the first pass of the next direction.
-    q = tree.scale(1.0 / nu_safe, tree.sub(u, tree.basis_combine(cy.V, c)))
-    V = tree.basis_set_if(cy.V, k, q, go)
+    # q_k, z_k and the first pass of the next direction. Both combinations read
+    # the basis before row k changes, in one pass: Q (Q^H w) = V qw_old + qw[k] q,
+    # where qw_old has no entry at row k (still u).
+    qw_old = jnp.where(finished, bw, 0)
+    qk_w = (bw[k] - jnp.sum(jnp.conj(c) * bw)) / nu_safe  # <q_k, w>
+    qw = qw_old.at[k].set(qk_w)
+    Vc, Vqw = tree.basis_combine_many(cy.V, [c, qw_old])
+    q = tree.scale(1.0 / nu_safe, tree.sub(u, Vc))
+    u_next = tree.scale(1.0 / nu_safe, tree.sub(tree.sub(w, Vqw), tree.scale(qk_w, q)))
     Z = cy.Z
     if Z is not None:
-        Z = tree.basis_set_if(Z, k, tree.scale(1.0 / nu_safe, tree.sub(
+        Z = tree.basis_fill(Z, k, tree.scale(1.0 / nu_safe, tree.sub(
             mu, tree.basis_combine(Z, c[: m + 1]))), go)
-    qw = jnp.where(finished, bw, 0)
-    qw = qw.at[k].set((bw[k] - jnp.sum(jnp.conj(c) * bw)) / nu_safe)
     Hc = H @ jnp.where(jnp.arange(m + 1) < k, c[: m + 1], 0)
     h_next = (qw - Hc) / nu_safe
-    u_next = tree.scale(1.0 / nu_safe, tree.sub(w, tree.basis_combine(V, qw)))
     return cy._replace(
-        V=tree.basis_set_if(V, k + 1, u_next, go),
+        V=tree.basis_fill(tree.basis_fill(cy.V, k, q, go), k + 1, u_next, go),
+        u=u_next,
         Z=Z,
         H=jnp.where(go, H.at[:, k].set(h_next), H),
         k=k + 1,
@@ -226,7 +235,7 @@ def _arnoldi(matvec, b, *, precond, ip, m, orthogonalization):
 
     def run(r, beta, tol, anorm, go) -> _Cycle:
         v0 = tree.scale(1.0 / jnp.where(beta == 0, 1.0, beta), r)
-        cy = _Cycle(V=tree.basis_set(basis_V, 0, v0), Z=basis_Z,
+        cy = _Cycle(V=tree.basis_set(basis_V, 0, v0), u=v0 if one_sync else None, Z=basis_Z,
                     H=jnp.zeros((m + 2, m + 1), dtype) if one_sync else None,
                     R=jnp.eye(m, dtype=dtype), cs=jnp.ones((m,), real),
                     sn=jnp.zeros((m,), dtype), g=jnp.zeros((m + 1,), dtype).at[0].set(beta),

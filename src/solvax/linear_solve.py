@@ -20,11 +20,24 @@ def _solution_of(out) -> PyTree:
     return out.x if isinstance(out, Solution) else out
 
 
-def _no_tangent(value):
-    """The tangent of a non-differentiable output: zeros (float0 for integers/bools)."""
-    if jax.numpy.issubdtype(value.dtype, jax.numpy.inexact):
-        return jax.numpy.zeros_like(value)
-    return np.zeros(value.shape, dtype=jax.dtypes.float0)
+def _diagnostics_as_reals(out):
+    """Integer and boolean diagnostics cast to the residual's real dtype (exact
+    for these small integers), so every output of the custom derivative has a
+    plain zero tangent. Integer outputs would need `float0` tangents, whose
+    avals jax 0.6 compares with the primal's sharding included (a sharded
+    solve's gradient then fails its shape/dtype check)."""
+    if not isinstance(out, Solution):
+        return out
+    real = out.residual_norm.dtype
+    return out._replace(status=out.status.astype(real), converged=out.converged.astype(real),
+                        iterations=out.iterations.astype(real))
+
+
+def _diagnostics_restored(out):
+    if not isinstance(out, Solution):
+        return out
+    return out._replace(status=out.status.astype(np.int32), converged=out.converged != 0,
+                        iterations=out.iterations.astype(np.int32))
 
 
 def implicit_solve(matvec, b, solver: Solver, transpose_solver: Solver, symmetric: bool):
@@ -59,7 +72,7 @@ def implicit_solve(matvec, b, solver: Solver, transpose_solver: Solver, symmetri
 
     @jax.custom_jvp
     def solve(b, mv_consts, sv_consts, tsv_consts):
-        return sv(b, mv_consts, *sv_consts)
+        return _diagnostics_as_reals(sv(b, mv_consts, *sv_consts))
 
     @solve.defjvp
     def solve_jvp(primals, tangents):
@@ -76,10 +89,10 @@ def implicit_solve(matvec, b, solver: Solver, transpose_solver: Solver, symmetri
             symmetric=symmetric,
         )
         if isinstance(out, Solution):
-            return out, jax.tree_util.tree_map(_no_tangent, out)._replace(x=dx)
+            return out, jax.tree_util.tree_map(jax.numpy.zeros_like, out)._replace(x=dx)
         return out, dx
 
-    return solve(b, mv_consts, sv_consts, tsv_consts)
+    return _diagnostics_restored(solve(b, mv_consts, sv_consts, tsv_consts))
 
 
 def linear_solve(
