@@ -30,7 +30,7 @@ class _Cycle(NamedTuple):
     Z: PyTree  # (m, ...) preconditioned directions (None without a preconditioner)
     H: jax.Array | None  # one_sync: the unrotated Hessenberg (m + 2, m + 1)
     R: jax.Array  # (m, m) upper triangular: the Hessenberg after Givens rotations
-    cs: jax.Array  # (m,) rotation cosines (real)
+    Q: jax.Array  # (m + 1, m + 1) product of the Givens rotations so far
     sn: jax.Array  # (m,) rotation sines
     g: jax.Array  # (m + 1,) rotated right-hand side beta e_1; |g[j]| estimates the residual
     j: jax.Array  # accepted (final) Hessenberg columns
@@ -73,31 +73,21 @@ def _givens(a, b):
     return c, s, phase * rho
 
 
-def _apply_rotations(h, cs, sn, j):
-    """Apply the first `j` stored rotations, in order, to the Hessenberg column `h`.
+def _get(x, i, axis=0):
+    """`x[i]` along `axis` for a traced `0 <= i < n` (no index normalization)."""
+    return lax.dynamic_index_in_dim(x, i, axis, keepdims=False)
 
-    Rotation `i` mixes `t_i` (entry `i` as left by rotation `i - 1`) with
-    `h[i + 1]`: `h'[i] = c_i t_i + s_i h[i + 1]` and
-    `t_{i+1} = -conj(s_i) t_i + c_i h[i + 1]`, an affine recurrence in `t`.
-    It runs as an associative scan of the affine maps (log-depth, a few fused
-    kernels) instead of a `j`-step loop of scalar updates, whose per-iteration
-    overhead dominated a short Arnoldi step on the CPU.
-    """
-    m = cs.shape[0]
-    live = jnp.arange(m) < j
-    # t_{i+1} = alpha_i t_i + beta_i; past the j-th rotation t_{i+1} = h[i + 1].
-    alpha = jnp.where(live, -jnp.conj(sn), 0).astype(h.dtype)
-    beta = jnp.where(live, cs * h[1:], h[1:])
 
-    def compose(first, second):  # apply `first`, then `second`
-        a1, b1 = first
-        a2, b2 = second
-        return a2 * a1, a2 * b1 + b2
+def _put(x, i, value, axis=0):
+    """`x` with index `i` along `axis` set to `value` (a dynamic update, not a scatter)."""
+    value = jnp.asarray(value, x.dtype)
+    return lax.dynamic_update_index_in_dim(x, jnp.expand_dims(value, axis), i, axis)
 
-    a, b = lax.associative_scan(compose, (alpha, beta))
-    t = h.at[1:].set(a * h[0] + b)  # t_0 = h[0], t_1 .. t_m
-    rotated = jnp.pad(cs * t[:-1] + sn * h[1:], (0, 1))
-    return jnp.where(jnp.arange(m + 1) < j, rotated, t)
+
+def _rotate_rows(Q, i, c, s):
+    """`G Q` for the rotation `G = [c, s; -conj(s), c]` acting on rows `i, i + 1`."""
+    a, b = _get(Q, i), _get(Q, i + 1)
+    return _put(_put(Q, i, c * a + s * b), i + 1, -jnp.conj(s) * a + c * b)
 
 
 def _finalize_column(cy: _Cycle, col, h, hnext, scale, tol, enabled=True):
@@ -107,10 +97,13 @@ def _finalize_column(cy: _Cycle, col, h, hnext, scale, tol, enabled=True):
     Returns the cycle and whether the column was accepted and the space invariant.
     """
     m = cy.R.shape[0]
-    h = _apply_rotations(h[: m + 1], cy.cs, cy.sn, col)
-    c, s, rjj = _givens(h[col], hnext)
-    gj = cy.g[col]
-    g = cy.g.at[col].set(c * gj).at[col + 1].set(-jnp.conj(s) * gj)
+    # All earlier rotations at once: one small (m + 1)^2 product, rather than a
+    # `col`-step loop of scalar updates (whose per-iteration overhead dominated
+    # a short Arnoldi step on the CPU) or a scan (slower to compile).
+    h = cy.Q @ h[: m + 1]
+    c, s, rjj = _givens(_get(h, col), hnext)
+    gj = _get(cy.g, col)
+    g = _put(_put(cy.g, col, c * gj), col + 1, -jnp.conj(s) * gj)
     estimate = jnp.abs(g[col + 1])
     finite = jnp.all(jnp.isfinite(h)) & jnp.isfinite(hnext)
     singular = jnp.abs(rjj) <= scale  # the new column adds nothing: A is singular here
@@ -122,9 +115,9 @@ def _finalize_column(cy: _Cycle, col, h, hnext, scale, tol, enabled=True):
                   jnp.where(estimate <= tol, code(Status.CONVERGED),
                             jnp.where(happy, code(Status.BREAKDOWN), RUNNING))))
     cy = cy._replace(
-        R=jnp.where(accept, cy.R.at[:, col].set(h[:m].at[col].set(rjj)), cy.R),
-        cs=jnp.where(accept, cy.cs.at[col].set(c), cy.cs),
-        sn=jnp.where(accept, cy.sn.at[col].set(s), cy.sn),
+        R=jnp.where(accept, _put(cy.R, col, _put(h[:m], col, rjj), axis=1), cy.R),
+        Q=jnp.where(accept, _rotate_rows(cy.Q, col, c, s), cy.Q),
+        sn=jnp.where(accept, _put(cy.sn, col, s), cy.sn),
         g=jnp.where(accept, g, cy.g),
         j=cy.j + accept.astype(jnp.int32),
         flag=jnp.where(enabled, flag, cy.flag),
@@ -196,14 +189,14 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
         a, bw = ip.project_many(cy.V, [u, w])
     finished = jnp.arange(rows) < k
     c = jnp.where(finished, a, 0)
-    uu = jnp.real(a[k])
+    uu = jnp.real(_get(a, k))
     nu = _reduce.real_sqrt(uu - jnp.sum(jnp.abs(c) ** 2))
     finite = jnp.all(jnp.isfinite(a)) & jnp.all(jnp.isfinite(bw))
 
     # Finish column k - 1 (none at k = 0: u is r / ||r||).
     col = jnp.maximum(k - 1, 0)
-    H = cy.H.at[:, col].add(jnp.where(k > 0, c, 0)).at[k, col].set(
-        jnp.where(k > 0, nu, cy.H[k, col]))
+    column = _get(cy.H, col, axis=1)  # (k = 0: c = 0, nothing to finish)
+    H = _put(cy.H, col, jnp.where(k > 0, _put(column + c, k, nu), column), axis=1)
     # Columns of H represent A M on unit vectors: ||A M|| >= ||H[:, k - 1]||.
     anorm = jnp.maximum(cy.anorm, jnp.where(k > 0, jnp.sqrt(jnp.sum(jnp.abs(H[:, col]) ** 2)), 0))
     nu_safe = jnp.where(finite & (nu > 0), nu, 1.0)
@@ -217,8 +210,8 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     # the basis before row k changes, in one pass: Q (Q^H w) = V qw_old + qw[k] q,
     # where qw_old has no entry at row k (still u).
     qw_old = jnp.where(finished, bw, 0)
-    qk_w = (bw[k] - jnp.sum(jnp.conj(c) * bw)) / nu_safe  # <q_k, w>
-    qw = qw_old.at[k].set(qk_w)
+    qk_w = (_get(bw, k) - jnp.sum(jnp.conj(c) * bw)) / nu_safe  # <q_k, w>
+    qw = _put(qw_old, k, qk_w)
     Vc, Vqw = tree.basis_combine_many(cy.V, [c, qw_old])
     q = tree.scale(1.0 / nu_safe, tree.sub(u, Vc))
     u_next = tree.scale(1.0 / nu_safe, tree.sub(tree.sub(w, Vqw), tree.scale(qk_w, q)))
@@ -232,7 +225,7 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
         V=tree.basis_fill(tree.basis_fill(cy.V, k, q, go), k + 1, u_next, go),
         u=u_next,
         Z=Z,
-        H=jnp.where(go, H.at[:, k].set(h_next), H),
+        H=jnp.where(go, _put(H, k, h_next, axis=1), H),
         k=k + 1,
         flag=jnp.where(go | (flag != RUNNING), flag, code(Status.BREAKDOWN)),
     )
@@ -254,7 +247,7 @@ def _arnoldi(matvec, b, *, precond, ip, m, orthogonalization):
         v0 = tree.scale(1.0 / jnp.where(beta == 0, 1.0, beta), r)
         cy = _Cycle(V=tree.basis_set(basis_V, 0, v0), u=v0 if one_sync else None, Z=basis_Z,
                     H=jnp.zeros((m + 2, m + 1), dtype) if one_sync else None,
-                    R=jnp.eye(m, dtype=dtype), cs=jnp.ones((m,), real),
+                    R=jnp.eye(m, dtype=dtype), Q=jnp.eye(m + 1, dtype=dtype),
                     sn=jnp.zeros((m,), dtype), g=jnp.zeros((m + 1,), dtype).at[0].set(beta),
                     j=jnp.int32(0), k=jnp.int32(0), anorm=anorm,
                     flag=jnp.where(go, RUNNING, code(Status.MAX_STEPS)))
