@@ -324,14 +324,10 @@ def pcg(
     options = dict(precond=precond, rtol=rtol, atol=atol, max_steps=max_steps, method=method,
                    ip=ip, residual_replacement=residual_replacement,
                    record_history=bool(record_history))
-    return implicit_solve(
-        matvec,
-        b,
-        functools.partial(_pcg_solve, x0=x0, **options),
-        # A^T = conj(A) is HPD too; its solve starts from zero, not the primal's x0.
-        functools.partial(_pcg_solve, x0=None, **options),
-        symmetric=_checks.is_real(b),
-    )
+    solve = functools.partial(_pcg_solve, x0=x0, **options)
+    # A^T = conj(A) is HPD too; its solve starts from zero, not the primal's x0.
+    transpose = solve if x0 is None else functools.partial(_pcg_solve, x0=None, **options)
+    return implicit_solve(matvec, b, solve, transpose, symmetric=_checks.is_real(b))
 
 
 def pcg_linear_solve(matvec: Callable[[PyTree], PyTree], b: PyTree, **pcg_options) -> Solution:

@@ -67,8 +67,11 @@ def implicit_solve(matvec, b, solver: Solver, transpose_solver: Solver, symmetri
         return lambda y: transpose(y)[0]
 
     sv, sv_consts = jax.closure_convert(lambda r, c: solver(operator(c), r), b, mv_consts)
-    tsv, tsv_consts = jax.closure_convert(
-        lambda r, c: _solution_of(transpose_solver(transposed(c), r)), b, mv_consts)
+    if symmetric and transpose_solver is solver:  # the same solve: trace it once
+        tsv, tsv_consts = (lambda r, c, *consts: _solution_of(sv(r, c, *consts))), sv_consts
+    else:
+        tsv, tsv_consts = jax.closure_convert(
+            lambda r, c: _solution_of(transpose_solver(transposed(c), r)), b, mv_consts)
 
     @jax.custom_jvp
     def solve(b, mv_consts, sv_consts, tsv_consts):
