@@ -107,16 +107,12 @@ class InnerProduct:
         xls = [self._leaves(self._weighted(x)) for x in xs]
         partials = []
         for leaf, v in enumerate(vs):
-            axes = tuple(range(v.ndim - 1))
-            vector_axes = tuple(a + 1 for a in axes)
             if self._separate_kernels():
-                partials.append(jnp.stack([
-                    lax.dot_general(v, jnp.conj(xl[leaf]), ((vector_axes, axes), ((), ())))
-                    for xl in xls]).T)
-            else:
-                stacked = jnp.stack([jnp.conj(xl[leaf]) for xl in xls], axis=-1)
-                # basis first: (m, *shape) . (*shape, s) -> (m, s)
-                partials.append(lax.dot_general(v, stacked, ((vector_axes, axes), ((), ()))))
+                partials.append(jnp.stack([_basis_times(v, jnp.conj(xl[leaf]))
+                                           for xl in xls]).T)
+            else:  # (m, *shape) . (*shape, s) -> (m, s)
+                partials.append(_basis_times(v, jnp.stack([jnp.conj(xl[leaf]) for xl in xls],
+                                                          axis=-1)))
         return jnp.conj(self._global_sum(partials)).T
 
     def project_with_norm(self, basis: PyTree, x: PyTree) -> tuple[jax.Array, jax.Array]:
@@ -130,10 +126,8 @@ class InnerProduct:
         xws = self._leaves(self._weighted(x))
         partials = []
         for v, xl, xw in zip(vs, xs, xws):
-            axes = tuple(range(v.ndim - 1))
             if self._separate_kernels():
-                projection = jnp.conj(lax.dot_general(
-                    v, jnp.conj(xw), ((tuple(a + 1 for a in axes), axes), ((), ()))))
+                projection = jnp.conj(_basis_times(v, jnp.conj(xw)))
                 partials.append(jnp.concatenate([projection, jnp.sum(jnp.conj(xl) * xw)[None]],
                                                 axis=0))  # the small result vectors
             else:
@@ -166,6 +160,13 @@ class _CallableInnerProduct(InnerProduct):
     def project_many(self, basis, xs):
         return jnp.stack([jax.vmap(lambda v, x=x: jnp.asarray(self.fn(v, x)))(basis)
                           for x in xs])
+
+
+def _basis_times(v: jax.Array, x: jax.Array) -> jax.Array:
+    """`V^T x` for a basis leaf `(m, *shape)` and `x` of shape `shape` (or
+    `(*shape, s)`): one contraction over the vector axes, basis first."""
+    axes = tuple(range(v.ndim - 1))
+    return lax.dot_general(v, x, ((tuple(a + 1 for a in axes), axes), ((), ())))
 
 
 def real_sqrt(value: jax.Array) -> jax.Array:

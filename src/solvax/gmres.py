@@ -104,7 +104,7 @@ def _finalize_column(cy: _Cycle, col, h, hnext, scale, tol, enabled=True):
     c, s, rjj = _givens(_get(h, col), hnext)
     gj = _get(cy.g, col)
     g = _put(_put(cy.g, col, c * gj), col + 1, -jnp.conj(s) * gj)
-    estimate = jnp.abs(g[col + 1])
+    estimate = jnp.abs(_get(g, col + 1))
     finite = jnp.all(jnp.isfinite(h)) & jnp.isfinite(hnext)
     singular = jnp.abs(rjj) <= scale  # the new column adds nothing: A is singular here
     happy = hnext <= scale  # the Krylov space is invariant
@@ -198,7 +198,8 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     column = _get(cy.H, col, axis=1)  # (k = 0: c = 0, nothing to finish)
     H = _put(cy.H, col, jnp.where(k > 0, _put(column + c, k, nu), column), axis=1)
     # Columns of H represent A M on unit vectors: ||A M|| >= ||H[:, k - 1]||.
-    anorm = jnp.maximum(cy.anorm, jnp.where(k > 0, jnp.sqrt(jnp.sum(jnp.abs(H[:, col]) ** 2)), 0))
+    anorm = jnp.maximum(cy.anorm, jnp.where(
+        k > 0, jnp.sqrt(jnp.sum(jnp.abs(_get(H, col, axis=1)) ** 2)), 0))
     nu_safe = jnp.where(finite & (nu > 0), nu, 1.0)
     cy, accept, happy = _finalize_column(
         cy._replace(anorm=anorm), col, jnp.where(finite, H[:, col], jnp.nan), nu,
