@@ -13,19 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import convection_diffusion, poisson_2d
 
 import solvax as sx
 
 N = 48
-
-
-def laplacian(x):
-    xp = jnp.pad(x, 1)
-    return 4 * x - xp[:-2, 1:-1] - xp[2:, 1:-1] - xp[1:-1, :-2] - xp[1:-1, 2:]
-
-
-def convection(x):
-    return laplacian(x) + 0.2 * (x - jnp.pad(x, 1)[:-2, 1:-1])
+laplacian = poisson_2d
+convection = convection_diffusion()
 
 
 def loop_body_copies(fn, b, shape):
