@@ -47,9 +47,10 @@ _MESSAGES = {
 RUNNING = -1
 
 
-def code(status) -> jax.Array:
-    """A status (or `RUNNING`) as an int32 scalar, created at trace time."""
-    return jnp.int32(int(status))
+def code(status) -> np.int32:
+    """A status (or `RUNNING`) as an int32 scalar: a NumPy constant, so tracing
+    does not create (and later fold) a device array for each use."""
+    return np.int32(int(status))
 
 
 class Solution(NamedTuple):

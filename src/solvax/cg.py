@@ -42,6 +42,13 @@ def _safe_div(num, den):
     return num / jnp.where(den == 0, jnp.ones_like(den), den)
 
 
+def _masked_div(pred, num, den):
+    """`num / den` where `pred` holds, else 0, with the division last: XLA then
+    computes the scalar once per step, where a final select would be fused
+    into (and recompiled with) every vector update that reads it."""
+    return jnp.where(pred, num, 0) / jnp.where(pred, den, 1)
+
+
 def _top_of_step(state: _State, rr, gamma, rtol, atol, tol_from_rr: bool):
     """The shared stopping logic, run on the reduced values at the top of a step.
 
@@ -75,10 +82,10 @@ def _recurrence(st: _State, gamma, delta, go):
     """Chronopoulos–Gear coefficients from `gamma = <r, M r>`, `delta = <M r, A M r>`:
     `beta = gamma / gamma_prev`, `<p, A p> = delta - beta gamma / alpha_prev`."""
     first = st.k == 0
-    beta = jnp.where(first, 0, _safe_div(gamma, st.gamma))
+    beta = _safe_div(jnp.where(first, 0, gamma), st.gamma)
     curvature = jnp.where(first, delta, delta - beta * _safe_div(gamma, st.alpha))
     status, go = _step_status(st.status, curvature, go)
-    alpha = jnp.where(go, _safe_div(gamma, curvature), 0)
+    alpha = _masked_div(go, gamma, curvature)
     return beta, alpha, status, go
 
 
@@ -131,14 +138,14 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
             else:
                 gamma, rr = jnp.real(ip.multi_dot([(st.r, z), (st.r, st.r)]))
         st, go = top(st, rr, gamma)
-        beta = jnp.where(st.k == 0, 0, _safe_div(gamma, st.gamma))
+        beta = _safe_div(jnp.where(st.k == 0, 0, gamma), st.gamma)
         p = tree.axpy(beta, st.p, z)
         with jax.named_scope("solvax.pcg.matvec"):
             q = matvec(p)
         with jax.named_scope("solvax.pcg.reduce"):
             pq = jnp.real(ip.dot(p, q))
         status, go = _step_status(st.status, pq, go)
-        alpha = jnp.where(go, _safe_div(gamma, pq), 0)
+        alpha = _masked_div(go, gamma, pq)
         return _advance(st, go, alpha, gamma, status, x=tree.axpy(alpha, p, st.x),
                         r=tree.axpy(-alpha, q, st.r), p=p)
 
