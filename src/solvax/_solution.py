@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

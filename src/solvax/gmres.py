@@ -23,16 +23,15 @@ ORTHOGONALIZATIONS = ("cgs2", "one_sync")
 
 
 class _Cycle(NamedTuple):
-    """One Arnoldi cycle: basis, rotated Hessenberg and rotations."""
+    """One Arnoldi cycle: basis, Hessenberg matrix and residual estimate."""
 
     V: PyTree  # (m + 1, ...) orthonormal basis; one_sync: (m + 2, ...), row k pending
     u: PyTree | None  # one_sync: the pending row k of V, also kept apart (see below)
     Z: PyTree  # (m, ...) preconditioned directions (None without a preconditioner)
-    H: jax.Array | None  # one_sync: the unrotated Hessenberg (m + 2, m + 1)
-    R: jax.Array  # (m, m) upper triangular: the Hessenberg after Givens rotations
-    Q: jax.Array  # (m + 1, m + 1) product of the Givens rotations so far
-    sn: jax.Array  # (m,) rotation sines
-    g: jax.Array  # (m + 1,) rotated right-hand side beta e_1; |g[j]| estimates the residual
+    H: jax.Array  # the Hessenberg matrix: (m + 1, m); one_sync: (m + 2, m + 1)
+    z: jax.Array  # (m + 1,) left null vector of the accepted columns (see _finalize_column)
+    zz: jax.Array  # ||z||^2
+    beta: jax.Array  # ||r|| at the start of the cycle
     j: jax.Array  # accepted (final) Hessenberg columns
     k: jax.Array  # Arnoldi steps (matvecs) of this cycle
     anorm: jax.Array  # running estimate of ||A M|| (max ||A M v|| / ||v||)
@@ -53,24 +52,14 @@ class _Outer(NamedTuple):
 
 def _record(history, offset, beta, cy: _Cycle):
     """Write `beta` (the true residual) at `offset` and the cycle's estimates
-    `beta * prod_{k<=i} |s_k|` (the Givens sines) after it."""
+    `beta / ||z[:i + 2]||` after it (one per accepted column `i`)."""
     if history is None:
         return None
-    m = cy.sn.shape[0]
-    estimates = beta * jnp.cumprod(jnp.abs(cy.sn))
+    m = cy.z.shape[0] - 1
+    estimates = cy.beta / jnp.sqrt(jnp.cumsum(jnp.abs(cy.z) ** 2))[1:]
     old = lax.dynamic_slice(history, (offset + 1,), (m,))
     new = jnp.where(jnp.arange(m) < cy.j, estimates.astype(history.dtype), old)
     return lax.dynamic_update_slice(history.at[offset].set(beta), new, (offset + 1,))
-
-
-def _givens(a, b):
-    """Rotation `(c, s)` with `[c, s; -conj(s), c] [a; b] = [rho; 0]`, `b >= 0` real."""
-    absa = jnp.abs(a)
-    rho = jnp.sqrt(absa * absa + b * b)
-    c = jnp.where(rho == 0, 1.0, absa / jnp.where(rho == 0, 1.0, rho)).astype(absa.dtype)
-    phase = jnp.where(absa == 0, jnp.ones_like(a), a / jnp.where(absa == 0, 1.0, absa))
-    s = jnp.where(rho == 0, 0.0, phase * b / jnp.where(rho == 0, 1.0, rho))
-    return c, s, phase * rho
 
 
 def _get(x, i, axis=0):
@@ -84,29 +73,29 @@ def _put(x, i, value, axis=0):
     return lax.dynamic_update_index_in_dim(x, jnp.expand_dims(value, axis), i, axis)
 
 
-def _rotate_rows(Q, i, c, s):
-    """`G Q` for the rotation `G = [c, s; -conj(s), c]` acting on rows `i, i + 1`."""
-    a, b = _get(Q, i), _get(Q, i + 1)
-    return _put(_put(Q, i, c * a + s * b), i + 1, -jnp.conj(s) * a + c * b)
-
-
 def _finalize_column(cy: _Cycle, col, h, hnext, scale, tol, enabled=True):
-    """Rotate the final Hessenberg column `col` (`h[:col+1]`, subdiagonal `hnext`)
-    into `R`, update the residual estimate and decide whether the cycle goes on.
+    """Take the final Hessenberg column `col` (`h[:col+1]`, subdiagonal `hnext`)
+    into the residual estimate and decide whether the cycle goes on.
+
+    No Givens rotations: the least-squares residual after columns `0..col` is
+    `beta / ||z||` for the left null vector `z` of those columns (`z^H H = 0`,
+    `z_0 = 1`), and each column adds one entry, `conj(z_{col+1}) = -(z^H h) /
+    hnext`. `|z^H h| / ||z||` is the new column's diagonal after the earlier
+    rotations would have been applied, so `rjj` below is the textbook's
+    rotated diagonal. The solution comes from one QR at the end of the cycle
+    (`_least_squares`). Per Arnoldi step this is one short dot product and a
+    few scalars, where rotations kept four small arrays up to date (and XLA
+    compiled a kernel for each).
 
     Returns the cycle and whether the column was accepted and the space invariant.
     """
-    m = cy.R.shape[0]
-    # All earlier rotations at once: one small (m + 1)^2 product, rather than a
-    # `col`-step loop of scalar updates (whose per-iteration overhead dominated
-    # a short Arnoldi step on the CPU) or a scan (slower to compile).
-    h = cy.Q @ h[: m + 1]
-    c, s, rjj = _givens(_get(h, col), hnext)
-    gj = _get(cy.g, col)
-    g = _put(_put(cy.g, col, c * gj), col + 1, -jnp.conj(s) * gj)
-    estimate = jnp.abs(_get(g, col + 1))
+    t = jnp.sum(jnp.conj(cy.z) * h[: cy.z.shape[0]])  # z^H h; z is zero beyond col
+    rjj = jnp.sqrt(jnp.abs(t) ** 2 / cy.zz + hnext * hnext)
+    z_next = -jnp.conj(t) / hnext  # infinite for an exactly invariant space
+    zz = cy.zz + jnp.abs(z_next) ** 2
+    estimate = cy.beta / jnp.sqrt(zz)
     finite = jnp.all(jnp.isfinite(h)) & jnp.isfinite(hnext)
-    singular = jnp.abs(rjj) <= scale  # the new column adds nothing: A is singular here
+    singular = rjj <= scale  # the new column adds nothing: A is singular here
     happy = hnext <= scale  # the Krylov space is invariant
     accept = enabled & finite & ~singular
     flag = jnp.where(
@@ -115,14 +104,27 @@ def _finalize_column(cy: _Cycle, col, h, hnext, scale, tol, enabled=True):
                   jnp.where(estimate <= tol, code(Status.CONVERGED),
                             jnp.where(happy, code(Status.BREAKDOWN), RUNNING))))
     cy = cy._replace(
-        R=jnp.where(accept, _put(cy.R, col, _put(h[:m], col, rjj), axis=1), cy.R),
-        Q=jnp.where(accept, _rotate_rows(cy.Q, col, c, s), cy.Q),
-        sn=jnp.where(accept, _put(cy.sn, col, s), cy.sn),
-        g=jnp.where(accept, g, cy.g),
+        z=jnp.where(accept, _put(cy.z, col + 1, z_next), cy.z),
+        zz=jnp.where(accept, zz, cy.zz),
         j=cy.j + accept.astype(jnp.int32),
         flag=jnp.where(enabled, flag, cy.flag),
     )
     return cy, accept, happy
+
+
+def _least_squares(H, beta, j):
+    """`y` minimizing `||beta e_1 - H[:, :j] y||` (zero beyond `j`), by one
+    Householder QR of `[H | beta e_1]`: its last column becomes `Q^H beta e_1`.
+
+    Unused columns are replaced by unit vectors below the used rows, so the
+    factorization has full rank and their coefficients come out zero.
+    """
+    m = H.shape[1]
+    used = jnp.arange(m) < j
+    A = jnp.where(used[None, :], H, jnp.eye(m + 1, m, k=-1, dtype=H.dtype))
+    R = jnp.linalg.qr(jnp.pad(A, ((0, 0), (0, 1))).at[0, m].set(beta), mode="r")
+    y = solve_triangular(R[:m, :m], R[:m, m], lower=False)
+    return jnp.where(used, y, 0)
 
 
 def _cgs2_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
@@ -131,7 +133,7 @@ def _cgs2_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     new norm follows by Pythagoras (the correction is already O(eps), so there
     is no cancellation)."""
     j = cy.j
-    m = cy.R.shape[0]
+    m = cy.H.shape[1]
     v = tree.basis_get(cy.V, j)
     with jax.named_scope("solvax.gmres.precond"):
         z = precond(v) if precond is not None else v
@@ -155,6 +157,8 @@ def _cgs2_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     return cy._replace(
         V=tree.basis_fill(cy.V, j + 1, v_next, keep),
         Z=None if cy.Z is None else tree.basis_fill(cy.Z, j, z, accept),
+        # (a rejected column is written too: it lies beyond the accepted ones)
+        H=_put(cy.H, j, _put(h, j + 1, hnext), axis=1),
         k=cy.k + 1,
     )
 
@@ -247,9 +251,9 @@ def _arnoldi(matvec, b, *, precond, ip, m, orthogonalization):
     def run(r, beta, tol, anorm, go) -> _Cycle:
         v0 = tree.scale(1.0 / jnp.where(beta == 0, 1.0, beta), r)
         cy = _Cycle(V=tree.basis_set(basis_V, 0, v0), u=v0 if one_sync else None, Z=basis_Z,
-                    H=jnp.zeros((m + 2, m + 1), dtype) if one_sync else None,
-                    R=jnp.eye(m, dtype=dtype), Q=jnp.eye(m + 1, dtype=dtype),
-                    sn=jnp.zeros((m,), dtype), g=jnp.zeros((m + 1,), dtype).at[0].set(beta),
+                    H=jnp.zeros((m + 2, m + 1) if one_sync else (m + 1, m), dtype),
+                    z=jnp.zeros((m + 1,), dtype).at[0].set(1), zz=jnp.ones((), real),
+                    beta=beta,
                     j=jnp.int32(0), k=jnp.int32(0), anorm=anorm,
                     flag=jnp.where(go, RUNNING, code(Status.MAX_STEPS)))
         return lax.while_loop(lambda c: (c.flag == RUNNING) & (c.k < steps),
@@ -284,9 +288,7 @@ def _gmres_solve(matvec, b, *, x0, precond, restart, max_restarts, rtol, atol, i
         go = (status == RUNNING) & (st.restarts < max_restarts)
         cy = arnoldi(r, beta, tol, st.anorm, go)
 
-        used = jnp.arange(m) < cy.j
-        R = jnp.where(used[None, :], cy.R, jnp.eye(m, dtype=dtype))
-        y = solve_triangular(R, jnp.where(used, cy.g[:m], 0), lower=False)
+        y = _least_squares(cy.H[: m + 1, :m], beta, cy.j)
         directions = cy.Z if precond is not None else cy.V
         update = tree.basis_combine(directions, _pad(y, directions))
         x = tree.where(zero_b, tree.zeros_like(b), tree.add(st.x, update))
@@ -358,9 +360,10 @@ def gmres(
     preconditioner may change from step to step), orthogonalized by classical
     Gram–Schmidt run twice (CGS2) — by default with the second pass delayed
     one step so that each step needs a single reduction (`"one_sync"`).
-    Givens rotations keep the least-squares residual `|g_{j+1}|` current; the
-    cycle ends at the tolerance, a breakdown or after `restart` steps, and
-    `x += Z y` with `R y = g`.
+    The least-squares residual `min ||beta e_1 - H y||` is kept current
+    through the left null vector of `H` (one short dot product per step, no
+    Givens rotations); the cycle ends at the tolerance, a breakdown or after
+    `restart` steps, and `x += Z y` with `y` from one Householder QR of `H`.
 
     Differs from the textbook / `jax.scipy.sparse.linalg.gmres`:
       1. One reduction per Arnoldi step (`"one_sync"`), or two with
@@ -370,7 +373,7 @@ def gmres(
       2. `||b||` is computed with each restart's residual norm: no setup reduction.
       3. `converged` is decided on the true residual computed at the start of
          a cycle, never on the least-squares estimate.
-      4. A new column with a vanishing diagonal after rotation (singular `A`)
+      4. A new column that adds nothing to the range of `H` (singular `A`)
          is dropped and reported as `Status.BREAKDOWN`, as is an invariant
          Krylov space whose residual is above the tolerance; upstream
          implementations return huge `x` there.
