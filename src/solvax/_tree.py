@@ -94,13 +94,20 @@ def basis_set(basis: PyTree, j, x: PyTree) -> PyTree:
     )
 
 
-def basis_fill(basis: PyTree, j, x: PyTree, pred) -> PyTree:
-    """The basis with row `j` set to `x` where the scalar `pred` holds, else to zeros.
+def basis_fill(basis: PyTree, j, rows: list[PyTree], pred) -> PyTree:
+    """The basis with rows `j, j + 1, ...` set to `rows` where the scalar
+    `pred` holds, else to zeros.
 
-    For a row that is still zero (or no longer needed once `pred` fails: the
+    For rows that are still zero (or no longer needed once `pred` fails: the
     Arnoldi cycle then ends). The update never reads the basis, so XLA writes
-    the row in place instead of copying the whole basis every step."""
-    return basis_set(basis, j, tree_map(lambda v: jnp.where(pred, v, jnp.zeros_like(v)), x))
+    the rows in place instead of copying the whole basis every step, and
+    consecutive rows go in one update (one pass, one kernel)."""
+
+    def fill(leaf, *vs):
+        block = jnp.stack([jnp.where(pred, v, jnp.zeros_like(v)).astype(leaf.dtype) for v in vs])
+        return jax.lax.dynamic_update_slice_in_dim(leaf, block, j, 0)
+
+    return tree_map(fill, basis, *rows)
 
 
 def basis_combine(basis: PyTree, coeffs) -> PyTree:

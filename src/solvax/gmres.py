@@ -117,14 +117,16 @@ def _least_squares(H, beta, j):
     Householder QR of `[H | beta e_1]`: its last column becomes `Q^H beta e_1`.
 
     Unused columns are replaced by unit vectors below the used rows, so the
-    factorization has full rank and their coefficients come out zero.
+    factorization has full rank and their coefficients come out zero. (One
+    elementwise expression builds the matrix: one kernel.)
     """
     m = H.shape[1]
-    used = jnp.arange(m) < j
-    A = jnp.where(used[None, :], H, jnp.eye(m + 1, m, k=-1, dtype=H.dtype))
-    R = jnp.linalg.qr(jnp.pad(A, ((0, 0), (0, 1))).at[0, m].set(beta), mode="r")
+    row, col = jnp.arange(m + 1)[:, None], jnp.arange(m + 1)[None, :]
+    A = jnp.where(col < j, jnp.pad(H, ((0, 0), (0, 1))),
+                  jnp.where(col == m, jnp.where(row == 0, beta, 0), row == col + 1))
+    R = jnp.linalg.qr(A.astype(H.dtype), mode="r")
     y = solve_triangular(R[:m, :m], R[:m, m], lower=False)
-    return jnp.where(used, y, 0)
+    return jnp.where(jnp.arange(m) < j, y, 0)
 
 
 def _cgs2_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
@@ -155,8 +157,8 @@ def _cgs2_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     keep = accept & ~happy
     v_next = tree.scale(1.0 / jnp.where(keep, hnext, 1.0), w)
     return cy._replace(
-        V=tree.basis_fill(cy.V, j + 1, v_next, keep),
-        Z=None if cy.Z is None else tree.basis_fill(cy.Z, j, z, accept),
+        V=tree.basis_fill(cy.V, j + 1, [v_next], keep),
+        Z=None if cy.Z is None else tree.basis_fill(cy.Z, j, [z], accept),
         # (a rejected column is written too: it lies beyond the accepted ones)
         H=_put(cy.H, j, _put(h, j + 1, hnext), axis=1),
         k=cy.k + 1,
@@ -222,12 +224,12 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     u_next = tree.scale(1.0 / nu_safe, tree.sub(tree.sub(w, Vqw), tree.scale(qk_w, q)))
     Z = cy.Z
     if Z is not None:
-        Z = tree.basis_fill(Z, k, tree.scale(1.0 / nu_safe, tree.sub(
-            mu, tree.basis_combine(Z, c[: m + 1]))), go)
+        Z = tree.basis_fill(Z, k, [tree.scale(1.0 / nu_safe, tree.sub(
+            mu, tree.basis_combine(Z, c[: m + 1])))], go)
     Hc = H @ jnp.where(jnp.arange(m + 1) < k, c[: m + 1], 0)
     h_next = (qw - Hc) / nu_safe
     return cy._replace(
-        V=tree.basis_fill(tree.basis_fill(cy.V, k, q, go), k + 1, u_next, go),
+        V=tree.basis_fill(cy.V, k, [q, u_next], go),
         u=u_next,
         Z=Z,
         H=jnp.where(go, _put(H, k, h_next, axis=1), H),
