@@ -190,3 +190,56 @@ def test_record_history(name):
     if name.startswith("gmres"):
         assert np.all(np.diff(h[: k + 1]) <= 1e-12 * h[0])  # GMRES residuals never grow
     assert KRYLOV[name](poisson_2d, b).history is None
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.complex128])
+def test_gmres_least_squares_without_rotations(dtype):
+    """The per-step estimate (left null vector of the Hessenberg matrix) equals
+    the least-squares residual of each leading block, and the cycle's QR solve
+    equals NumPy's least squares, unused columns contributing nothing."""
+    from solvax._solution import RUNNING
+    from solvax.gmres import _Cycle, _finalize_column, _least_squares
+
+    rng = np.random.default_rng(3)
+    m, beta = 8, 2.5
+    H = rng.standard_normal((m + 1, m)).astype(dtype)
+    if np.iscomplexobj(H):
+        H = H + 1j * rng.standard_normal((m + 1, m))
+    H = np.triu(H, -1)
+    H[np.arange(1, m + 1), np.arange(m)] = np.abs(H[np.arange(1, m + 1), np.arange(m)]) + 0.1
+    e1 = np.zeros(m + 1, dtype)
+    e1[0] = beta
+    cy = _Cycle(V=None, u=None, Z=None, H=jnp.asarray(H), z=jnp.zeros(m + 1, dtype).at[0].set(1),
+                zz=jnp.float64(1), beta=jnp.float64(beta), j=jnp.int32(0), k=jnp.int32(0),
+                anorm=jnp.float64(np.linalg.norm(H)), flag=jnp.int32(RUNNING))
+    for col in range(m):
+        cy, accept, happy = _finalize_column(cy, col, jnp.asarray(H[:, col]), H[col + 1, col].real,
+                                             1e-12, 0.0)
+        assert bool(accept) and not bool(happy) and int(cy.j) == col + 1
+        A = H[: col + 2, : col + 1]
+        y = np.linalg.lstsq(A, e1[: col + 2], rcond=None)[0]
+        expected = np.linalg.norm(e1[: col + 2] - A @ y)
+        assert np.isclose(beta / np.sqrt(float(cy.zz)), expected, rtol=1e-10)
+    for j in (3, m):
+        y = np.asarray(_least_squares(jnp.asarray(H), beta, j))
+        ref = np.linalg.lstsq(H[: j + 1, :j], e1[: j + 1], rcond=None)[0]
+        assert np.allclose(y[:j], ref, rtol=1e-10, atol=1e-12) and np.all(y[j:] == 0)
+
+
+def test_gmres_dependent_column_is_a_breakdown():
+    """A Hessenberg column in the range of the earlier ones (and no new
+    direction) is rejected: the space is invariant and the operator singular."""
+    from solvax._solution import RUNNING, Status
+    from solvax.gmres import _Cycle, _finalize_column
+
+    H = np.zeros((4, 3))
+    H[:2, 0] = [1.0, 1.0]
+    cy = _Cycle(V=None, u=None, Z=None, H=jnp.asarray(H), z=jnp.zeros(4).at[0].set(1),
+                zz=jnp.float64(1), beta=jnp.float64(1), j=jnp.int32(0), k=jnp.int32(0),
+                anorm=jnp.float64(2.0), flag=jnp.int32(RUNNING))
+    cy, accept, _ = _finalize_column(cy, 0, jnp.asarray(H[:, 0]), 1.0, 1e-12, 0.0)
+    assert bool(accept)
+    # z = (1, -1): a second column (1, 1, 0) has z^H h = 0 and no subdiagonal
+    cy, accept, happy = _finalize_column(cy, 1, jnp.array([1.0, 1.0, 0.0, 0.0]), 0.0, 1e-12, 0.0)
+    assert not bool(accept) and bool(happy) and int(cy.j) == 1
+    assert int(cy.flag) == int(Status.BREAKDOWN)
