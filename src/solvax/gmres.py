@@ -50,16 +50,16 @@ class _Outer(NamedTuple):
     history: jax.Array | None  # residual norm per accepted step (if recorded)
 
 
-def _record(history, offset, beta, cy: _Cycle):
-    """Write `beta` (the true residual) at `offset` and the cycle's estimates
-    `beta / ||z[:i + 2]||` after it (one per accepted column `i`)."""
+def _record(history, offset, cy: _Cycle):
+    """Write the cycle's `beta` (the true residual) at `offset` and its
+    estimates `beta / ||z[:i + 2]||` after it (one per accepted column `i`)."""
     if history is None:
         return None
     m = cy.z.shape[0] - 1
     estimates = cy.beta / jnp.sqrt(jnp.cumsum(jnp.abs(cy.z) ** 2))[1:]
     old = lax.dynamic_slice(history, (offset + 1,), (m,))
     new = jnp.where(jnp.arange(m) < cy.j, estimates.astype(history.dtype), old)
-    return lax.dynamic_update_slice(history.at[offset].set(beta), new, (offset + 1,))
+    return lax.dynamic_update_slice(history.at[offset].set(cy.beta), new, (offset + 1,))
 
 
 def _get(x, i, axis=0):
@@ -302,7 +302,7 @@ def _gmres_solve(matvec, b, *, x0, precond, restart, max_restarts, rtol, atol, i
                       status=status,
                       broke=cy.flag == code(Status.BREAKDOWN),
                       rnorm=beta, tol=tol, anorm=cy.anorm,
-                      history=_record(st.history, st.k, beta, cy))
+                      history=_record(st.history, st.k, cy))
 
     x = tree.zeros_like(b) if x0 is None else x0
     state = _Outer(x=x, k=jnp.int32(0), restarts=jnp.int32(0), status=code(RUNNING),
