@@ -120,3 +120,27 @@ def test_status_messages_and_codes():
     sols = jax.vmap(lambda b: sx.pcg(poisson_1d, b, max_steps=3))(jnp.stack([rhs(20), 0 * rhs(20)]))
     assert list(np.asarray(sols.status)) == [Status.MAX_STEPS, Status.CONVERGED]
     assert "converged" in sols.message and "iteration limit" in sols.message
+
+
+@pytest.mark.parametrize("rr, gamma, curvature, expected", [
+    (1.0, 1.0, 2.0, -1),                          # the step goes on (RUNNING)
+    (1e-20, 1.0, -1.0, Status.CONVERGED),         # converged before the curvature matters
+    (np.nan, 1.0, 2.0, Status.NONFINITE),
+    (np.inf, 1.0, 2.0, Status.NONFINITE),
+    (1.0, np.inf, 2.0, Status.NONFINITE),
+    (1.0, -1.0, np.nan, Status.INDEFINITE),       # M not positive definite comes first
+    (1.0, 1.0, -2.0, Status.INDEFINITE),
+    (1.0, 1.0, 0.0, Status.INDEFINITE),
+    (1.0, 1.0, -np.inf, Status.NONFINITE),
+    (1.0, 1.0, np.inf, Status.NONFINITE),
+    (1.0, 1.0, np.nan, Status.NONFINITE),
+])
+def test_cg_step_status_order(rr, gamma, curvature, expected):
+    """The CG step's predicate (comparisons only) and its status chain agree, in
+    the documented order: non-finite, converged, indefinite."""
+    from solvax import cg
+    tol2 = jnp.float64(1e-16)
+    values = [jnp.float64(v) for v in (rr, gamma, curvature)]
+    status, go = cg._step_status(*values, tol2, cg._may_go(values[0], values[1], tol2))
+    assert int(status) == int(expected)
+    assert bool(go) == (int(expected) == -1)

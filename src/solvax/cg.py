@@ -49,48 +49,53 @@ def _masked_div(pred, num, den):
     return jnp.where(pred, num, 0) / jnp.where(pred, den, 1)
 
 
-def _top_of_step(state: _State, rr, gamma, rtol, atol, tol_from_rr: bool):
-    """The shared stopping logic, run on the reduced values at the top of a step.
+def _may_go(rr, gamma, tol2):
+    """`tol2 < rr < inf` and `0 < gamma < inf`: comparisons only (false for NaN)."""
+    return (tol2 < rr) & (rr < jnp.inf) & (0 < gamma) & (gamma < jnp.inf)
 
-    Returns the state with the threshold, status and history updated, and
-    whether this step updates `x`.
-    """
+
+def _top_of_step(state: _State, rr, gamma, rtol, atol, tol_from_rr: bool):
+    """The stopping threshold and history, updated from the reduced values at
+    the top of a step, and whether the step may go on (`_may_go`)."""
     first = state.k == 0
     if tol_from_rr:  # x0 = None: ||b||^2 is the first step's <r, r>
         tol = jnp.maximum(atol, rtol * _reduce.real_sqrt(rr))
         tol2 = jnp.where(first, tol * tol, state.tol2)
     else:
         tol2 = state.tol2
-    status = jnp.where(
-        ~(jnp.isfinite(rr) & jnp.isfinite(gamma)), code(Status.NONFINITE),
-        jnp.where(rr <= tol2, code(Status.CONVERGED),
-                  jnp.where(gamma <= 0, code(Status.INDEFINITE), state.status)))
     history = state.history
     if history is not None:
         history = history.at[state.k].set(_reduce.real_sqrt(rr))
-    return state._replace(tol2=tol2, status=status, history=history), status == RUNNING
+    return state._replace(tol2=tol2, history=history), _may_go(rr, gamma, tol2)
 
 
-def _step_status(status, curvature, go):
-    """Mark non-positive (or non-finite) curvature `<p, A p>` during a step."""
-    bad = go & ~(curvature > 0)
-    failure = jnp.where(jnp.isfinite(curvature), code(Status.INDEFINITE), code(Status.NONFINITE))
-    return jnp.where(bad, failure, status), go & ~bad
+def _step_status(rr, gamma, curvature, tol2, go):
+    """Whether the step updates `x` (also `0 < <p, A p> < inf`), and the status:
+    `RUNNING` if it does, else why not. The step's predicate is built from
+    comparisons alone, apart from the status chain, so XLA does not fuse that
+    chain into the scalars the vector updates read."""
+    go = go & (0 < curvature) & (curvature < jnp.inf)
+    why = jnp.where(
+        ~(jnp.isfinite(rr) & jnp.isfinite(gamma)), code(Status.NONFINITE),
+        jnp.where(rr <= tol2, code(Status.CONVERGED),
+                  jnp.where((gamma <= 0) | jnp.isfinite(curvature), code(Status.INDEFINITE),
+                            code(Status.NONFINITE))))
+    return jnp.where(go, code(RUNNING), why), go
 
 
-def _recurrence(st: _State, gamma, delta, go):
+def _recurrence(st: _State, rr, gamma, delta, go):
     """Chronopoulos–Gear coefficients from `gamma = <r, M r>`, `delta = <M r, A M r>`:
     `beta = gamma / gamma_prev`, `<p, A p> = delta - beta gamma / alpha_prev`."""
     first = st.k == 0
     beta = _safe_div(jnp.where(first, 0, gamma), st.gamma)
     curvature = jnp.where(first, delta, delta - beta * _safe_div(gamma, st.alpha))
-    status, go = _step_status(st.status, curvature, go)
+    status, go = _step_status(rr, gamma, curvature, st.tol2, go)
     alpha = _masked_div(go, gamma, curvature)
     return beta, alpha, status, go
 
 
 def _advance(st: _State, go, alpha, gamma, status, **vectors) -> _State:
-    return st._replace(gamma=gamma, alpha=jnp.where(go, alpha, st.alpha), status=status,
+    return st._replace(gamma=gamma, alpha=alpha, status=status,
                        k=st.k + go.astype(jnp.int32), **vectors)
 
 
@@ -144,7 +149,7 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
             q = matvec(p)
         with jax.named_scope("solvax.pcg.reduce"):
             pq = jnp.real(ip.dot(p, q))
-        status, go = _step_status(st.status, pq, go)
+        status, go = _step_status(rr, gamma, pq, st.tol2, go)
         alpha = _masked_div(go, gamma, pq)
         return _advance(st, go, alpha, gamma, status, x=tree.axpy(alpha, p, st.x),
                         r=tree.axpy(-alpha, q, st.r), p=p)
@@ -163,7 +168,7 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
             else:
                 gamma, delta, rr = jnp.real(ip.multi_dot([(st.r, u), (u, w), (st.r, st.r)]))
         st, go = top(st, rr, gamma)
-        beta, alpha, status, go = _recurrence(st, gamma, delta, go)
+        beta, alpha, status, go = _recurrence(st, rr, gamma, delta, go)
         p = tree.axpy(beta, st.p, u)
         s = tree.axpy(beta, st.s, w)
         # p reads the old r; r is updated after p (in place, no copy of r).
@@ -185,7 +190,7 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
         with jax.named_scope("solvax.pcg.matvec"):
             n = matvec(m)
         st, go = top(st, rr, gamma)
-        beta, alpha, status, go = _recurrence(st, gamma, delta, go)
+        beta, alpha, status, go = _recurrence(st, rr, gamma, delta, go)
         z = tree.axpy(beta, st.z, n)
         s = tree.axpy(beta, st.s, st.w)
         p = tree.axpy(beta, st.p, u)
