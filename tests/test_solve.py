@@ -213,9 +213,9 @@ def test_gmres_least_squares_without_rotations(dtype):
                 zz=jnp.float64(1), beta=jnp.float64(beta), j=jnp.int32(0), k=jnp.int32(0),
                 anorm=jnp.float64(np.linalg.norm(H)), flag=jnp.int32(RUNNING))
     for col in range(m):
-        cy, accept, happy = _finalize_column(cy, col, jnp.asarray(H[:, col]), H[col + 1, col].real,
-                                             1e-12, 0.0)
-        assert bool(accept) and not bool(happy) and int(cy.j) == col + 1
+        cy, accept, go = _finalize_column(cy, col, jnp.asarray(H[:, col]), H[col + 1, col].real,
+                                          1e-12, 0.0, jnp.bool_(True))
+        assert bool(accept) and bool(go) and int(cy.j) == col + 1
         A = H[: col + 2, : col + 1]
         y = np.linalg.lstsq(A, e1[: col + 2], rcond=None)[0]
         expected = np.linalg.norm(e1[: col + 2] - A @ y)
@@ -237,9 +237,10 @@ def test_gmres_dependent_column_is_a_breakdown():
     cy = _Cycle(V=None, u=None, Z=None, H=jnp.asarray(H), z=jnp.zeros(4).at[0].set(1),
                 zz=jnp.float64(1), beta=jnp.float64(1), j=jnp.int32(0), k=jnp.int32(0),
                 anorm=jnp.float64(2.0), flag=jnp.int32(RUNNING))
-    cy, accept, _ = _finalize_column(cy, 0, jnp.asarray(H[:, 0]), 1.0, 1e-12, 0.0)
+    cy, accept, _ = _finalize_column(cy, 0, jnp.asarray(H[:, 0]), 1.0, 1e-12, 0.0, jnp.bool_(True))
     assert bool(accept)
     # z = (1, -1): a second column (1, 1, 0) has z^H h = 0 and no subdiagonal
-    cy, accept, happy = _finalize_column(cy, 1, jnp.array([1.0, 1.0, 0.0, 0.0]), 0.0, 1e-12, 0.0)
-    assert not bool(accept) and bool(happy) and int(cy.j) == 1
+    cy, accept, go = _finalize_column(cy, 1, jnp.array([1.0, 1.0, 0.0, 0.0]), 0.0, 1e-12, 0.0,
+                                      jnp.bool_(True))
+    assert not bool(accept) and not bool(go) and int(cy.j) == 1
     assert int(cy.flag) == int(Status.BREAKDOWN)

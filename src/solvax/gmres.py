@@ -73,7 +73,7 @@ def _put(x, i, value, axis=0):
     return lax.dynamic_update_index_in_dim(x, jnp.expand_dims(value, axis), i, axis)
 
 
-def _finalize_column(cy: _Cycle, col, h, hnext, scale, tol, enabled=True):
+def _finalize_column(cy: _Cycle, col, h, hnext, scale, tol, finite, enabled=True):
     """Take the final Hessenberg column `col` (`h[:col+1]`, subdiagonal `hnext`)
     into the residual estimate and decide whether the cycle goes on.
 
@@ -87,29 +87,34 @@ def _finalize_column(cy: _Cycle, col, h, hnext, scale, tol, enabled=True):
     few scalars, where rotations kept four small arrays up to date (and XLA
     compiled a kernel for each).
 
-    Returns the cycle and whether the column was accepted and the space invariant.
+    `finite`: the column (and whatever else the step reduced) is finite. With
+    `enabled` false (a step with no column to finish) only `finite` counts.
+
+    Returns the cycle, whether the column was accepted, and whether the cycle
+    extends its basis (accepted, and the space not invariant). Both are
+    comparisons of the column's scalars; the flag (why a cycle ends) is a
+    chain of its own that only the loop test reads, so XLA does not compile it
+    into every update that depends on the step's outcome.
     """
+    enabled = jnp.asarray(enabled)
     t = jnp.sum(jnp.conj(cy.z) * h[: cy.z.shape[0]])  # z^H h; z is zero beyond col
     rjj = jnp.sqrt(jnp.abs(t) ** 2 / cy.zz + hnext * hnext)
     z_next = -jnp.conj(t) / hnext  # infinite for an exactly invariant space
     zz = cy.zz + jnp.abs(z_next) ** 2
     estimate = cy.beta / jnp.sqrt(zz)
-    finite = jnp.all(jnp.isfinite(h)) & jnp.isfinite(hnext)
-    singular = rjj <= scale  # the new column adds nothing: A is singular here
-    happy = hnext <= scale  # the Krylov space is invariant
-    accept = enabled & finite & ~singular
-    flag = jnp.where(
-        ~finite, code(Status.NONFINITE),
-        jnp.where(singular, code(Status.BREAKDOWN),
-                  jnp.where(estimate <= tol, code(Status.CONVERGED),
-                            jnp.where(happy, code(Status.BREAKDOWN), RUNNING))))
+    independent = finite & (scale < rjj)  # else the column adds nothing: A is singular here
+    accept = enabled & independent
+    go = jnp.where(enabled, independent & (scale < hnext), finite)  # else the space is invariant
+    why = jnp.where(~finite, code(Status.NONFINITE),
+                    jnp.where(independent & (estimate <= tol), code(Status.CONVERGED),
+                              code(Status.BREAKDOWN)))
     cy = cy._replace(
         z=jnp.where(accept, _put(cy.z, col + 1, z_next), cy.z),
         zz=jnp.where(accept, zz, cy.zz),
         j=cy.j + accept.astype(jnp.int32),
-        flag=jnp.where(enabled, flag, cy.flag),
+        flag=jnp.where(go & (~enabled | (tol < estimate)), code(RUNNING), why),
     )
-    return cy, accept, happy
+    return cy, accept, go
 
 
 def _least_squares(H, beta, j):
@@ -152,9 +157,9 @@ def _cgs2_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     hnext = _reduce.real_sqrt(jnp.real(ww) - jnp.sum(jnp.abs(h2) ** 2))
     # Columns of H represent A M on unit vectors: ||A M|| >= ||A z_j|| = ||(h, hnext)||.
     anorm = jnp.maximum(cy.anorm, jnp.sqrt(jnp.sum(jnp.abs(h) ** 2) + hnext ** 2))
-    cy, accept, happy = _finalize_column(cy._replace(anorm=anorm), j, h, hnext,
-                                         tiny * anorm, tol)
-    keep = accept & ~happy
+    finite = jnp.all(jnp.isfinite(h)) & jnp.isfinite(hnext)
+    cy, accept, keep = _finalize_column(cy._replace(anorm=anorm), j, h, hnext,
+                                        tiny * anorm, tol, finite)
     v_next = tree.scale(1.0 / jnp.where(keep, hnext, 1.0), w)
     return cy._replace(
         V=tree.basis_fill(cy.V, j + 1, [v_next], keep),
@@ -207,11 +212,8 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     anorm = jnp.maximum(cy.anorm, jnp.where(
         k > 0, jnp.sqrt(jnp.sum(jnp.abs(_get(H, col, axis=1)) ** 2)), 0))
     nu_safe = jnp.where(finite & (nu > 0), nu, 1.0)
-    cy, accept, happy = _finalize_column(
-        cy._replace(anorm=anorm), col, jnp.where(finite, H[:, col], jnp.nan), nu,
-        tiny * anorm, tol, enabled=k > 0)
-    flag = jnp.where(finite, cy.flag, code(Status.NONFINITE))
-    go = finite & ((k == 0) | (accept & ~happy))
+    cy, _, go = _finalize_column(cy._replace(anorm=anorm), col, H[:, col], nu, tiny * anorm,
+                                 tol, finite, enabled=k > 0)
 
     # q_k, z_k and the first pass of the next direction. Both combinations read
     # the basis before row k changes, in one pass: Q (Q^H w) = V qw_old + qw[k] q,
@@ -232,9 +234,8 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
         V=tree.basis_fill(cy.V, k, [q, u_next], go),
         u=u_next,
         Z=Z,
-        H=jnp.where(go, _put(H, k, h_next, axis=1), H),
+        H=_put(H, k, h_next, axis=1),  # (read only once accepted: no need to mask)
         k=k + 1,
-        flag=jnp.where(go | (flag != RUNNING), flag, code(Status.BREAKDOWN)),
     )
 
 
@@ -283,11 +284,13 @@ def _gmres_solve(matvec, b, *, x0, precond, restart, max_restarts, rtol, atol, i
         tol = jnp.maximum(atol, rtol * _reduce.real_sqrt(bb))
         zero_b = bb == 0  # b = 0: the answer is exactly 0, whatever x0
         beta = jnp.where(zero_b, 0, beta)
-        status = jnp.where(
+        # Another cycle runs if `tol < beta < inf` (comparisons only: false for NaN),
+        # the last one did not break down and restarts are left; else `why` says why not.
+        go = (tol < beta) & (beta < jnp.inf) & ~st.broke & (st.restarts < max_restarts)
+        why = jnp.where(
             ~(jnp.isfinite(rr) & jnp.isfinite(bb)), code(Status.NONFINITE),
             jnp.where(beta <= tol, code(Status.CONVERGED),
-                      jnp.where(st.broke, code(Status.BREAKDOWN), RUNNING)))
-        go = (status == RUNNING) & (st.restarts < max_restarts)
+                      jnp.where(st.broke, code(Status.BREAKDOWN), code(Status.MAX_STEPS))))
         cy = arnoldi(r, beta, tol, st.anorm, go)
 
         y = _least_squares(cy.H[: m + 1, :m], beta, cy.j)
@@ -295,9 +298,9 @@ def _gmres_solve(matvec, b, *, x0, precond, restart, max_restarts, rtol, atol, i
         update = tree.basis_combine(directions, _pad(y, directions))
         x = tree.where(zero_b, tree.zeros_like(b), tree.add(st.x, update))
         # After a cycle the next pass checks the true residual; with no cycle run,
-        # this pass was that check and the loop ends (out of restarts if undecided).
+        # this pass was that check and the loop ends.
         status = jnp.where(go, jnp.where(cy.flag == code(Status.NONFINITE), cy.flag, RUNNING),
-                           jnp.where(status == RUNNING, code(Status.MAX_STEPS), status))
+                           why)
         return _Outer(x=x, k=st.k + cy.j, restarts=st.restarts + go.astype(jnp.int32),
                       status=status,
                       broke=cy.flag == code(Status.BREAKDOWN),
