@@ -8,10 +8,12 @@ rtol=0, atol=1e-8 ||b||); GMRES restart 30. Problems: 5-point Poisson 512 x 512
 family), a 16-leaf pytree right-hand side (compile time), and a latency-bound
 mesh: 8 emulated devices, a diagonal operator on 4096 (and 65536) entries
 sharded P('i'), 200 fixed iterations. Reported: compile time (lower +
-compile), median run time over 5 warm runs with the solvers interleaved
-round-robin, matvecs, true final relative residual, time per matvec and the
-ratio to the fastest peer of the same method (jax.scipy's BiCGSTAB, a different
-method, is shown on the convection-diffusion problem for reference).
+compile, caches cleared; median of 5 with the solvers interleaved
+round-robin, and its ratio to jax.scipy's solver of the same method), median
+run time over 5 warm runs with the solvers interleaved round-robin, matvecs,
+true final relative residual, time per matvec and the ratio to the fastest
+peer of the same method (jax.scipy's BiCGSTAB, a different method, is shown
+on the convection-diffusion problem for reference).
 `--small` shrinks every problem (a smoke test).
 """
 
@@ -45,7 +47,7 @@ except ImportError:  # the `bench` extra is optional
 
 RTOL = 1e-8
 REPEATS = 5
-COMPILE_REPEATS = 3
+COMPILE_REPEATS = 5
 # Shown for reference, not counted as a peer of the same method: BiCGSTAB is a
 # different Krylov method (short recurrences, no restarts); the GMRES targets
 # compare GMRES(30) implementations.
@@ -109,16 +111,19 @@ def count_matvecs(solve, matvec, b):
     return count[0]
 
 
-def compile_seconds(fn, *args):
-    """Median of COMPILE_REPEATS cold lower + compile times (caches cleared, so
-    no run is a cache hit)."""
-    times = []
-    for _ in range(COMPILE_REPEATS):
-        jax.clear_caches()
-        start = time.perf_counter()
-        jax.jit(fn).lower(*args).compile()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def compile_times(fns, *args):
+    """Median cold lower + compile time of each function (caches cleared, so no
+    run is a cache hit), COMPILE_REPEATS rounds with the functions interleaved
+    round-robin (machine drift then hits all alike), after one unmeasured round."""
+    times = {name: [] for name in fns}
+    for round_ in range(COMPILE_REPEATS + 1):
+        for name, fn in fns.items():
+            jax.clear_caches()
+            start = time.perf_counter()
+            jax.jit(fn).lower(*args).compile()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def interleaved(fns, *args):
@@ -135,17 +140,20 @@ def interleaved(fns, *args):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def problem(name, matvec, make_solvers, b):
+def problem(name, matvec, make_solvers, b, reference):
+    """Every solver of `make_solvers(matvec)` on `b`; compile times are also
+    given relative to `reference` (jax.scipy's solver of the same method)."""
     bnorm = float(jnp.linalg.norm(b))
     by_matvec = make_solvers  # solver factory taking the matvec
     solvers = by_matvec(matvec)
-    compiles = {solver: compile_seconds(fn, b) for solver, fn in solvers.items()}
+    compiles = compile_times(solvers, b)
     runs = interleaved(solvers, b)
     rows = []
     for solver, fn in solvers.items():
         x = jax.jit(fn)(b)
         matvecs = count_matvecs(lambda mv, solver=solver: by_matvec(mv)[solver], matvec, b)
         rows.append(dict(problem=name, solver=solver, compile_s=compiles[solver],
+                         compile_vs_jax_scipy=compiles[solver] / compiles[reference],
                          run_s=runs[solver], matvecs=matvecs,
                          true_relative_residual=float(jnp.linalg.norm(b - matvec(x))) / bnorm,
                          ms_per_matvec=1e3 * runs[solver] / max(matvecs, 1)))
@@ -162,16 +170,16 @@ def pytree_compile(n_leaves, size):
     def mv(x):
         return jax.tree_util.tree_map(lambda v: 3.0 * v - jnp.roll(v, 1) - jnp.roll(v, -1), x)
 
-    out = {"solvax pcg": compile_seconds(lambda b: sx.pcg(mv, b).x, b),
-           "jax.scipy cg": compile_seconds(lambda b: jsp.cg(mv, b)[0], b)}
+    fns = {"solvax pcg": lambda b: sx.pcg(mv, b).x,
+           "jax.scipy cg": lambda b: jsp.cg(mv, b)[0]}
     if lx is not None:
         def lineax_cg(b):
             operator = lx.FunctionLinearOperator(
                 mv, jax.eval_shape(lambda: b),
                 tags=(lx.symmetric_tag, lx.positive_semidefinite_tag))
             return lx.linear_solve(operator, b, lx.CG(rtol=1e-8, atol=0.0), throw=False).value
-        out["lineax CG"] = compile_seconds(lineax_cg, b)
-    return out
+        fns["lineax CG"] = lineax_cg
+    return compile_times(fns, b)
 
 
 def latency(n, iterations=200):
@@ -208,18 +216,21 @@ def main():
     rng = np.random.default_rng(0)
     meta = {"jax": jax.__version__, "lineax": getattr(lx, "__version__", None),
             "cpu_count": os.cpu_count(), "load_average": os.getloadavg(),
-            "repeats": REPEATS, "rtol": RTOL}
+            "repeats": REPEATS, "compile_repeats": COMPILE_REPEATS, "rtol": RTOL}
     print(meta)
     rows = []
     rows += problem(f"Poisson {n_poisson}x{n_poisson}", poisson, cg_solvers,
-                    jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_poisson, n_poisson))))
+                    jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_poisson, n_poisson))),
+                    reference="jax.scipy cg")
     rows += problem(f"convection-diffusion {n_cd}x{n_cd}", convection_diffusion(10.0),
                     gmres_solvers,
-                    jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_cd, n_cd))))
-    print(f"{'problem':28s} {'solver':30s} {'compile s':>9s} {'run s':>8s} {'matvecs':>7s} "
-          f"{'ms/matvec':>9s} {'true rel.res':>12s} {'/fastest peer':>13s}")
+                    jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_cd, n_cd))),
+                    reference="jax.scipy gmres batched")
+    print(f"{'problem':28s} {'solver':30s} {'compile s':>9s} {'/jax.scipy':>10s} {'run s':>8s} "
+          f"{'matvecs':>7s} {'ms/matvec':>9s} {'true rel.res':>12s} {'/fastest peer':>13s}")
     for r in rows:
-        print(f"{r['problem']:28s} {r['solver']:30s} {r['compile_s']:9.3f} {r['run_s']:8.3f} "
+        print(f"{r['problem']:28s} {r['solver']:30s} {r['compile_s']:9.3f} "
+              f"{r['compile_vs_jax_scipy']:10.2f} {r['run_s']:8.3f} "
               f"{r['matvecs']:7d} {r['ms_per_matvec']:9.4f} {r['true_relative_residual']:12.2e} "
               f"{r['ratio_to_fastest_peer']:13.2f}")
     compiles = {leaves: pytree_compile(leaves, 64) for leaves in (1, 4, 16)}
