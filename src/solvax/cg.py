@@ -38,10 +38,6 @@ class _State(NamedTuple):
     history: jax.Array | None  # recursive residual norm per step (if recorded)
 
 
-def _safe_div(num, den):
-    return num / jnp.where(den == 0, jnp.ones_like(den), den)
-
-
 def _masked_div(pred, num, den):
     """`num / den` where `pred` holds, else 0, with the division last: XLA then
     computes the scalar once per step, where a final select would be fused
@@ -86,9 +82,8 @@ def _step_status(rr, gamma, curvature, tol2, go):
 def _recurrence(st: _State, rr, gamma, delta, go):
     """Chronopoulos–Gear coefficients from `gamma = <r, M r>`, `delta = <M r, A M r>`:
     `beta = gamma / gamma_prev`, `<p, A p> = delta - beta gamma / alpha_prev`."""
-    first = st.k == 0
-    beta = _safe_div(jnp.where(first, 0, gamma), st.gamma)
-    curvature = jnp.where(first, delta, delta - beta * _safe_div(gamma, st.alpha))
+    beta = gamma / st.gamma  # see `_pcg_solve.standard`
+    curvature = jnp.where(st.k == 0, delta, delta - beta * gamma / st.alpha)
     status, go = _step_status(rr, gamma, curvature, st.tol2, go)
     alpha = _masked_div(go, gamma, curvature)
     return beta, alpha, status, go
@@ -143,7 +138,9 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
             else:
                 gamma, rr = jnp.real(ip.multi_dot([(st.r, z), (st.r, st.r)]))
         st, go = top(st, rr, gamma)
-        beta = _safe_div(jnp.where(st.k == 0, 0, gamma), st.gamma)
+        # No guard needed: a step runs only after one that went on (gamma, alpha > 0)
+        # or from the initial 1s, and the first step's beta multiplies p = 0.
+        beta = gamma / st.gamma
         p = tree.axpy(beta, st.p, z)
         with jax.named_scope("solvax.pcg.matvec"):
             q = matvec(p)

@@ -57,6 +57,8 @@ def implicit_solve(matvec, b, solver: Solver, transpose_solver: Solver, symmetri
     keep their own (invariant) type.
     """
     mv, mv_consts = jax.closure_convert(matvec, b)
+    # Checked on the converted operator: the user's function is traced once.
+    _checks.check_operator("matvec", mv, b, *mv_consts)
 
     def operator(consts):
         return lambda x: mv(x, *consts)
@@ -144,7 +146,7 @@ def linear_solve(
     differentiation", NeurIPS 2022; JAX `lax.custom_linear_solve`.
     """
     _checks.check_vector("b", b)
-    _checks.check_operator("matvec", matvec, b)
+    _checks.check_callable("matvec", matvec)
     for name, fn in (("solver", solver), ("transpose_solver", transpose_solver)):
         if (fn is not None or name == "solver") and not callable(fn):
             raise TypeError(f"`{name}` must be a function `(matvec, b) -> x`; got {fn!r}.")
