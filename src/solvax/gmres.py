@@ -28,7 +28,7 @@ class _Cycle(NamedTuple):
     V: PyTree  # (m + 1, ...) orthonormal basis; one_sync: (m + 2, ...), row k pending
     u: PyTree | None  # one_sync: the pending row k of V, also kept apart (see below)
     Z: PyTree  # (m, ...) preconditioned directions (None without a preconditioner)
-    H: jax.Array  # the Hessenberg matrix: (m + 1, m); one_sync: (m + 2, m + 1)
+    H: jax.Array  # the Hessenberg matrix (m + 1, m); one_sync: (m + 2, m + 2), column i at i + 1
     z: jax.Array  # (m + 1,) left null vector of the accepted columns (see _finalize_column)
     zz: jax.Array  # ||z||^2
     beta: jax.Array  # ||r|| at the start of the cycle
@@ -204,37 +204,43 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     nu = _reduce.real_sqrt(uu - jnp.sum(jnp.abs(c) ** 2))
     finite = jnp.all(jnp.isfinite(a)) & jnp.all(jnp.isfinite(bw))
 
-    # Finish column k - 1 (none at k = 0: u is r / ||r||).
-    col = jnp.maximum(k - 1, 0)
-    column = _get(cy.H, col, axis=1)  # (k = 0: c = 0, nothing to finish)
-    H = _put(cy.H, col, jnp.where(k > 0, _put(column + c, k, nu), column), axis=1)
+    # Finish column k - 1 (stored at column k: see `_arnoldi`; at k = 0 that is
+    # the unused column 0, and c = 0).
+    column = _get(cy.H, k, axis=1)
+    finished_col = _put(column + c, k, nu)
     # Columns of H represent A M on unit vectors: ||A M|| >= ||H[:, k - 1]||.
     anorm = jnp.maximum(cy.anorm, jnp.where(
-        k > 0, jnp.sqrt(jnp.sum(jnp.abs(_get(H, col, axis=1)) ** 2)), 0))
-    nu_safe = jnp.where(finite & (nu > 0), nu, 1.0)
-    cy, _, go = _finalize_column(cy._replace(anorm=anorm), col, H[:, col], nu, tiny * anorm,
-                                 tol, finite, enabled=k > 0)
+        k > 0, jnp.sqrt(jnp.sum(jnp.abs(finished_col) ** 2)), 0))
+    cy, _, go = _finalize_column(cy._replace(anorm=anorm), jnp.maximum(k - 1, 0), finished_col,
+                                 nu, tiny * anorm, tol, finite, enabled=k > 0)
+    # Divisions by nu need no guard: if nu is 0 or not finite, go is false and
+    # nothing computed from them is kept.
 
     # q_k, z_k and the first pass of the next direction. Both combinations read
     # the basis before row k changes, in one pass: Q (Q^H w) = V qw_old + qw[k] q,
     # where qw_old has no entry at row k (still u).
     qw_old = jnp.where(finished, bw, 0)
-    qk_w = (_get(bw, k) - jnp.sum(jnp.conj(c) * bw)) / nu_safe  # <q_k, w>
+    qk_w = (_get(bw, k) - jnp.sum(jnp.conj(c) * bw)) / nu  # <q_k, w>
     qw = _put(qw_old, k, qk_w)
     Vc, Vqw = tree.basis_combine_many(cy.V, [c, qw_old])
-    q = tree.scale(1.0 / nu_safe, tree.sub(u, Vc))
-    u_next = tree.scale(1.0 / nu_safe, tree.sub(tree.sub(w, Vqw), tree.scale(qk_w, q)))
+    q = tree.scale(1.0 / nu, tree.sub(u, Vc))
+    u_next = tree.scale(1.0 / nu, tree.sub(tree.sub(w, Vqw), tree.scale(qk_w, q)))
     Z = cy.Z
     if Z is not None:
-        Z = tree.basis_fill(Z, k, [tree.scale(1.0 / nu_safe, tree.sub(
+        Z = tree.basis_fill(Z, k, [tree.scale(1.0 / nu, tree.sub(
             mu, tree.basis_combine(Z, c[: m + 1])))], go)
-    Hc = H @ jnp.where(jnp.arange(m + 1) < k, c[: m + 1], 0)
-    h_next = (qw - Hc) / nu_safe
+    # H[:, :k] c[:k], the finished column k - 1 included: the stored columns
+    # 1..k (k still unfinished there) times c, plus the finishing update times c[k - 1].
+    Hc = cy.H[:, 1:] @ c[: m + 1] + (finished_col - column) * _get(c, jnp.maximum(k - 1, 0))
+    h_next = (qw - Hc) / nu
+    both = jnp.stack([finished_col, h_next], axis=1)
     return cy._replace(
         V=tree.basis_fill(cy.V, k, [q, u_next], go),
         u=u_next,
         Z=Z,
-        H=_put(H, k, h_next, axis=1),  # (read only once accepted: no need to mask)
+        # columns k - 1 and k (stored at k, k + 1) in one update; the new column
+        # is read only once accepted, so it needs no mask
+        H=lax.dynamic_update_slice(cy.H, both, (jnp.zeros_like(k), k)),
         k=k + 1,
     )
 
@@ -254,7 +260,7 @@ def _arnoldi(matvec, b, *, precond, ip, m, orthogonalization):
     def run(r, beta, tol, anorm, go) -> _Cycle:
         v0 = tree.scale(1.0 / jnp.where(beta == 0, 1.0, beta), r)
         cy = _Cycle(V=tree.basis_set(basis_V, 0, v0), u=v0 if one_sync else None, Z=basis_Z,
-                    H=jnp.zeros((m + 2, m + 1) if one_sync else (m + 1, m), dtype),
+                    H=jnp.zeros((m + 2, m + 2) if one_sync else (m + 1, m), dtype),
                     z=jnp.zeros((m + 1,), dtype).at[0].set(1), zz=jnp.ones((), real),
                     beta=beta,
                     j=jnp.int32(0), k=jnp.int32(0), anorm=anorm,
@@ -293,7 +299,8 @@ def _gmres_solve(matvec, b, *, x0, precond, restart, max_restarts, rtol, atol, i
                       jnp.where(st.broke, code(Status.BREAKDOWN), code(Status.MAX_STEPS))))
         cy = arnoldi(r, beta, tol, st.anorm, go)
 
-        y = _least_squares(cy.H[: m + 1, :m], beta, cy.j)
+        y = _least_squares(cy.H[: m + 1, 1: m + 1] if orthogonalization == "one_sync" else cy.H,
+                           beta, cy.j)
         directions = cy.Z if precond is not None else cy.V
         update = tree.basis_combine(directions, _pad(y, directions))
         x = tree.where(zero_b, tree.zeros_like(b), tree.add(st.x, update))
