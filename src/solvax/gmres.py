@@ -108,9 +108,11 @@ def _finalize_column(cy: _Cycle, col, h, hnext, scale, tol, finite, enabled=True
     why = jnp.where(~finite, code(Status.NONFINITE),
                     jnp.where(independent & (estimate <= tol), code(Status.CONVERGED),
                               code(Status.BREAKDOWN)))
+    # z and ||z||^2 take a rejected column too: the cycle ends with it, and only
+    # entries up to `j` are read afterwards (no mask on the accept chain).
     cy = cy._replace(
-        z=jnp.where(accept, _put(cy.z, col + 1, z_next), cy.z),
-        zz=jnp.where(accept, zz, cy.zz),
+        z=jnp.where(enabled, _put(cy.z, col + 1, z_next), cy.z),
+        zz=jnp.where(enabled, zz, cy.zz),
         j=cy.j + accept.astype(jnp.int32),
         flag=jnp.where(go & (~enabled | (tol < estimate)), code(RUNNING), why),
     )
