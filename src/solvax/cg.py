@@ -33,7 +33,7 @@ class _State(NamedTuple):
     gamma: jax.Array  # <r, M r> of the previous step
     alpha: jax.Array  # previous step length
     tol2: jax.Array  # squared stopping threshold max(atol, rtol ||b||)^2
-    k: jax.Array  # steps taken
+    k: jax.Array  # steps run (the last one did not update x if status != RUNNING)
     status: jax.Array  # RUNNING until the loop decides
     history: jax.Array | None  # recursive residual norm per step (if recorded)
 
@@ -55,8 +55,7 @@ def _top_of_step(state: _State, rr, gamma, rtol, atol, tol_from_rr: bool):
     the top of a step, and whether the step may go on (`_may_go`)."""
     first = state.k == 0
     if tol_from_rr:  # x0 = None: ||b||^2 is the first step's <r, r>
-        tol = jnp.maximum(atol, rtol * _reduce.real_sqrt(rr))
-        tol2 = jnp.where(first, tol * tol, state.tol2)
+        tol2 = jnp.where(first, jnp.maximum(atol * atol, rtol * rtol * rr), state.tol2)
     else:
         tol2 = state.tol2
     history = state.history
@@ -89,9 +88,11 @@ def _recurrence(st: _State, rr, gamma, delta, go):
     return beta, alpha, status, go
 
 
-def _advance(st: _State, go, alpha, gamma, status, **vectors) -> _State:
-    return st._replace(gamma=gamma, alpha=alpha, status=status,
-                       k=st.k + go.astype(jnp.int32), **vectors)
+def _advance(st: _State, alpha, gamma, status, **vectors) -> _State:
+    """The state after a step. `k` counts steps run, whether or not they went on
+    (the loop ends with the first that did not; see `_pcg_solve`), so it does
+    not depend on the step's outcome."""
+    return st._replace(gamma=gamma, alpha=alpha, status=status, k=st.k + 1, **vectors)
 
 
 def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
@@ -148,7 +149,7 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
             pq = jnp.real(ip.dot(p, q))
         status, go = _step_status(rr, gamma, pq, st.tol2, go)
         alpha = _masked_div(go, gamma, pq)
-        return _advance(st, go, alpha, gamma, status, x=tree.axpy(alpha, p, st.x),
+        return _advance(st, alpha, gamma, status, x=tree.axpy(alpha, p, st.x),
                         r=tree.axpy(-alpha, q, st.r), p=p)
 
     def single(st: _State) -> _State:
@@ -169,7 +170,7 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
         p = tree.axpy(beta, st.p, u)
         s = tree.axpy(beta, st.s, w)
         # p reads the old r; r is updated after p (in place, no copy of r).
-        return _advance(st, go, alpha, gamma, status, x=tree.axpy(alpha, p, st.x),
+        return _advance(st, alpha, gamma, status, x=tree.axpy(alpha, p, st.x),
                         r=tree.after(tree.axpy(-alpha, s, st.r), p), p=p, s=s)
 
     def pipelined(st: _State) -> _State:
@@ -197,7 +198,7 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
                    w=tree.after(tree.axpy(-alpha, z, st.w), s), p=p, s=s, z=z)
         if not identity:
             new.update(u=tree.after(tree.axpy(-alpha, q, u), p), q=q)
-        st = _advance(st, go, alpha, gamma, status, **new)
+        st = _advance(st, alpha, gamma, status, **new)
         if residual_replacement:
             st = lax.cond(go & (st.k % residual_replacement == 0), replace, lambda s: s, st)
         return st
@@ -225,7 +226,9 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
         r_true = tree.sub(b, matvec(state.x))
         rr, bb = jnp.real(ip.multi_dot([(r_true, r_true), (b, b)]))
     tol = jnp.maximum(atol, rtol * _reduce.real_sqrt(bb))
-    return make_solution(state.x, state.status, state.k, _reduce.real_sqrt(rr), tol,
+    # Every step run updated x, except a last one that stopped the loop.
+    steps = state.k - (state.status != RUNNING).astype(jnp.int32)
+    return make_solution(state.x, state.status, steps, _reduce.real_sqrt(rr), tol,
                          history=state.history)
 
 
