@@ -33,8 +33,10 @@ class _State(NamedTuple):
     gamma: jax.Array  # <r, M r> of the previous step
     alpha: jax.Array  # previous step length
     tol2: jax.Array  # squared stopping threshold max(atol, rtol ||b||)^2
-    k: jax.Array  # steps run (the last one did not update x if status != RUNNING)
-    status: jax.Array  # RUNNING until the loop decides
+    k: jax.Array  # steps run (the last one did not update x unless `go`)
+    go: jax.Array  # the last step went on; else it stopped the loop, and
+    rr: jax.Array  # its <r, r> and
+    curvature: jax.Array  # its <p, A p> (with gamma, tol2) say why (`_stop_reason`)
     history: jax.Array | None  # recursive residual norm per step (if recorded)
 
 
@@ -64,35 +66,41 @@ def _top_of_step(state: _State, rr, gamma, rtol, atol, tol_from_rr: bool):
     return state._replace(tol2=tol2, history=history), _may_go(rr, gamma, tol2)
 
 
-def _step_status(rr, gamma, curvature, tol2, go):
-    """Whether the step updates `x` (also `0 < <p, A p> < inf`), and the status:
-    `RUNNING` if it does, else why not. The step's predicate is built from
-    comparisons alone, apart from the status chain, so XLA does not fuse that
-    chain into the scalars the vector updates read."""
-    go = go & (0 < curvature) & (curvature < jnp.inf)
-    why = jnp.where(
+def _goes(go, curvature):
+    """The step updates `x`: its top passed (`_may_go`) and `0 < <p, A p> < inf`."""
+    return go & (0 < curvature) & (curvature < jnp.inf)
+
+
+def _stop_reason(rr, gamma, curvature, tol2):
+    """Why a step that did not go on stopped, in order: non-finite values,
+    convergence, a non-positive-definite preconditioner or operator.
+
+    Evaluated once after the loop from the last step's carried values, not in
+    every step: the loop itself decides with comparisons only (`_may_go`,
+    `_goes`), and when only `x` is used the compiler drops this altogether.
+    """
+    return jnp.where(
         ~(jnp.isfinite(rr) & jnp.isfinite(gamma)), code(Status.NONFINITE),
         jnp.where(rr <= tol2, code(Status.CONVERGED),
                   jnp.where((gamma <= 0) | jnp.isfinite(curvature), code(Status.INDEFINITE),
                             code(Status.NONFINITE))))
-    return jnp.where(go, code(RUNNING), why), go
 
 
-def _recurrence(st: _State, rr, gamma, delta, go):
+def _recurrence(st: _State, gamma, delta, go):
     """Chronopoulos–Gear coefficients from `gamma = <r, M r>`, `delta = <M r, A M r>`:
     `beta = gamma / gamma_prev`, `<p, A p> = delta - beta gamma / alpha_prev`."""
     beta = gamma / st.gamma  # see `_pcg_solve.standard`
     curvature = jnp.where(st.k == 0, delta, delta - beta * gamma / st.alpha)
-    status, go = _step_status(rr, gamma, curvature, st.tol2, go)
-    alpha = _masked_div(go, gamma, curvature)
-    return beta, alpha, status, go
+    go = _goes(go, curvature)
+    return beta, _masked_div(go, gamma, curvature), curvature, go
 
 
-def _advance(st: _State, alpha, gamma, status, **vectors) -> _State:
+def _advance(st: _State, go, alpha, rr, gamma, curvature, **vectors) -> _State:
     """The state after a step. `k` counts steps run, whether or not they went on
     (the loop ends with the first that did not; see `_pcg_solve`), so it does
     not depend on the step's outcome."""
-    return st._replace(gamma=gamma, alpha=alpha, status=status, k=st.k + 1, **vectors)
+    return st._replace(go=go, alpha=alpha, rr=rr, gamma=gamma, curvature=curvature,
+                       k=st.k + 1, **vectors)
 
 
 def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
@@ -118,7 +126,8 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
     one = jnp.ones((), real)
     zeros = tree.zeros_like(b)
     state = _State(x=x, r=r, p=zeros, s=None, u=None, w=None, q=None, z=None, gamma=one,
-                   alpha=one, tol2=tol2, k=jnp.int32(0), status=code(RUNNING),
+                   alpha=one, tol2=tol2, k=jnp.int32(0), go=jnp.bool_(True), rr=one,
+                   curvature=one,
                    history=jnp.full((max_steps + 1,), jnp.nan, real) if record_history else None)
     if method == "single_reduction":
         state = state._replace(s=zeros)
@@ -147,9 +156,9 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
             q = matvec(p)
         with jax.named_scope("solvax.pcg.reduce"):
             pq = jnp.real(ip.dot(p, q))
-        status, go = _step_status(rr, gamma, pq, st.tol2, go)
+        go = _goes(go, pq)
         alpha = _masked_div(go, gamma, pq)
-        return _advance(st, alpha, gamma, status, x=tree.axpy(alpha, p, st.x),
+        return _advance(st, go, alpha, rr, gamma, pq, x=tree.axpy(alpha, p, st.x),
                         r=tree.axpy(-alpha, q, st.r), p=p)
 
     def single(st: _State) -> _State:
@@ -166,11 +175,11 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
             else:
                 gamma, delta, rr = jnp.real(ip.multi_dot([(st.r, u), (u, w), (st.r, st.r)]))
         st, go = top(st, rr, gamma)
-        beta, alpha, status, go = _recurrence(st, rr, gamma, delta, go)
+        beta, alpha, curvature, go = _recurrence(st, gamma, delta, go)
         p = tree.axpy(beta, st.p, u)
         s = tree.axpy(beta, st.s, w)
         # p reads the old r; r is updated after p (in place, no copy of r).
-        return _advance(st, alpha, gamma, status, x=tree.axpy(alpha, p, st.x),
+        return _advance(st, go, alpha, rr, gamma, curvature, x=tree.axpy(alpha, p, st.x),
                         r=tree.after(tree.axpy(-alpha, s, st.r), p), p=p, s=s)
 
     def pipelined(st: _State) -> _State:
@@ -188,7 +197,7 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
         with jax.named_scope("solvax.pcg.matvec"):
             n = matvec(m)
         st, go = top(st, rr, gamma)
-        beta, alpha, status, go = _recurrence(st, rr, gamma, delta, go)
+        beta, alpha, curvature, go = _recurrence(st, gamma, delta, go)
         z = tree.axpy(beta, st.z, n)
         s = tree.axpy(beta, st.s, st.w)
         p = tree.axpy(beta, st.p, u)
@@ -198,7 +207,7 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
                    w=tree.after(tree.axpy(-alpha, z, st.w), s), p=p, s=s, z=z)
         if not identity:
             new.update(u=tree.after(tree.axpy(-alpha, q, u), p), q=q)
-        st = _advance(st, alpha, gamma, status, **new)
+        st = _advance(st, go, alpha, rr, gamma, curvature, **new)
         if residual_replacement:
             st = lax.cond(go & (st.k % residual_replacement == 0), replace, lambda s: s, st)
         return st
@@ -216,7 +225,7 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
             return st._replace(**new)
 
     def running(st: _State):
-        return (st.status == RUNNING) & (st.k < max_steps)
+        return st.go & (st.k < max_steps)
 
     body = {"standard": standard, "single_reduction": single, "pipelined": pipelined}[method]
     state = lax.while_loop(running, body, state)
@@ -227,8 +236,10 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
         rr, bb = jnp.real(ip.multi_dot([(r_true, r_true), (b, b)]))
     tol = jnp.maximum(atol, rtol * _reduce.real_sqrt(bb))
     # Every step run updated x, except a last one that stopped the loop.
-    steps = state.k - (state.status != RUNNING).astype(jnp.int32)
-    return make_solution(state.x, state.status, steps, _reduce.real_sqrt(rr), tol,
+    steps = state.k - (~state.go).astype(jnp.int32)
+    status = jnp.where(state.go, code(RUNNING),
+                       _stop_reason(state.rr, state.gamma, state.curvature, state.tol2))
+    return make_solution(state.x, status, steps, _reduce.real_sqrt(rr), tol,
                          history=state.history)
 
 
