@@ -5,8 +5,10 @@ from __future__ import annotations
 import enum
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 PyTree = Any
 
@@ -50,6 +52,23 @@ def code(status) -> np.int32:
     """A status (or `RUNNING`) as an int32 scalar: a NumPy constant, so tracing
     does not create (and later fold) a device array for each use."""
     return np.int32(int(status))
+
+
+def first_status(cases, default):
+    """The status of the first `(condition, status)` case whose condition holds,
+    else `default`: the one way solvers turn scalar tests into a status code.
+
+    Statuses are `Status` members, `RUNNING` or int32 scalars (traced ones too).
+    Built from `lax.select` (no dtype promotion or broadcasting to trace: a chain
+    runs in every solve, so its tracing cost is paid by every compile).
+    """
+    def as_code(status):
+        return status if isinstance(status, jax.Array) else code(status)
+
+    out = as_code(default)
+    for condition, status in reversed(cases):
+        out = lax.select(condition, as_code(status), out)
+    return out
 
 
 class Solution(NamedTuple):
@@ -97,10 +116,9 @@ def final_status(loop_status, true_ok, true_norm):
         true_norm: the true residual norm.
     """
     nonfinite = (loop_status == code(Status.NONFINITE)) | ~jnp.isfinite(true_norm)
-    failed = jnp.where(loop_status == code(Status.CONVERGED), code(Status.STAGNATION),
-                       jnp.where(loop_status == RUNNING, code(Status.MAX_STEPS), loop_status))
-    return jnp.where(nonfinite, code(Status.NONFINITE),
-                     jnp.where(true_ok, code(Status.CONVERGED), failed))
+    return first_status([(nonfinite, Status.NONFINITE), (true_ok, Status.CONVERGED),
+                         (loop_status == code(Status.CONVERGED), Status.STAGNATION),
+                         (loop_status == RUNNING, Status.MAX_STEPS)], loop_status)
 
 
 def make_solution(x, loop_status, iterations, true_norm, tol, history=None) -> Solution:

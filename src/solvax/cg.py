@@ -12,7 +12,7 @@ from jax import lax
 
 from . import _checks, _reduce
 from . import _tree as tree
-from ._solution import RUNNING, Solution, Status, code, make_solution
+from ._solution import RUNNING, Solution, Status, first_status, make_solution
 from .linear_solve import implicit_solve
 
 PyTree = Any
@@ -79,11 +79,10 @@ def _stop_reason(rr, gamma, curvature, tol2):
     every step: the loop itself decides with comparisons only (`_may_go`,
     `_goes`), and when only `x` is used the compiler drops this altogether.
     """
-    return jnp.where(
-        ~(jnp.isfinite(rr) & jnp.isfinite(gamma)), code(Status.NONFINITE),
-        jnp.where(rr <= tol2, code(Status.CONVERGED),
-                  jnp.where((gamma <= 0) | jnp.isfinite(curvature), code(Status.INDEFINITE),
-                            code(Status.NONFINITE))))
+    return first_status([(~(jnp.isfinite(rr) & jnp.isfinite(gamma)), Status.NONFINITE),
+                         (rr <= tol2, Status.CONVERGED),
+                         ((gamma <= 0) | jnp.isfinite(curvature), Status.INDEFINITE)],
+                        Status.NONFINITE)
 
 
 def _recurrence(st: _State, gamma, delta, go):
@@ -237,8 +236,8 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
     tol = jnp.maximum(atol, rtol * _reduce.real_sqrt(bb))
     # Every step run updated x, except a last one that stopped the loop.
     steps = state.k - (~state.go).astype(jnp.int32)
-    status = jnp.where(state.go, code(RUNNING),
-                       _stop_reason(state.rr, state.gamma, state.curvature, state.tol2))
+    status = first_status([(state.go, RUNNING)],
+                          _stop_reason(state.rr, state.gamma, state.curvature, state.tol2))
     return make_solution(state.x, status, steps, _reduce.real_sqrt(rr), tol,
                          history=state.history)
 

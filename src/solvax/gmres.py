@@ -13,7 +13,7 @@ from jax.scipy.linalg import solve_triangular
 
 from . import _checks, _reduce
 from . import _tree as tree
-from ._solution import RUNNING, Solution, Status, code, make_solution
+from ._solution import RUNNING, Solution, Status, code, first_status, make_solution
 from .linear_solve import implicit_solve
 
 PyTree = Any
@@ -105,16 +105,16 @@ def _finalize_column(cy: _Cycle, col, h, hnext, scale, tol, finite, enabled=True
     independent = finite & (scale < rjj)  # else the column adds nothing: A is singular here
     accept = enabled & independent
     go = jnp.where(enabled, independent & (scale < hnext), finite)  # else the space is invariant
-    why = jnp.where(~finite, code(Status.NONFINITE),
-                    jnp.where(independent & (estimate <= tol), code(Status.CONVERGED),
-                              code(Status.BREAKDOWN)))
     # z and ||z||^2 take a rejected column too: the cycle ends with it, and only
     # entries up to `j` are read afterwards (no mask on the accept chain).
     cy = cy._replace(
         z=jnp.where(enabled, _put(cy.z, col + 1, z_next), cy.z),
         zz=jnp.where(enabled, zz, cy.zz),
         j=cy.j + accept.astype(jnp.int32),
-        flag=jnp.where(go & (~enabled | (tol < estimate)), code(RUNNING), why),
+        flag=first_status([(go & (~enabled | (tol < estimate)), RUNNING),
+                           (~finite, Status.NONFINITE),
+                           (independent & (estimate <= tol), Status.CONVERGED)],
+                          Status.BREAKDOWN),
     )
     return cy, accept, go
 
@@ -270,7 +270,7 @@ def _arnoldi(matvec, b, *, precond, ip, m, orthogonalization):
                     z=jnp.zeros((m + 1,), dtype).at[0].set(1), zz=jnp.ones((), real),
                     beta=beta,
                     j=jnp.int32(0), k=jnp.int32(0), anorm=anorm,
-                    flag=jnp.where(go, RUNNING, code(Status.MAX_STEPS)))
+                    flag=first_status([(go, RUNNING)], Status.MAX_STEPS))
         return lax.while_loop(lambda c: (c.flag == RUNNING) & (c.k < steps),
                               functools.partial(step, tol=tol), cy)
 
@@ -297,12 +297,8 @@ def _gmres_solve(matvec, b, *, x0, precond, restart, max_restarts, rtol, atol, i
         zero_b = bb == 0  # b = 0: the answer is exactly 0, whatever x0
         beta = jnp.where(zero_b, 0, beta)
         # Another cycle runs if `tol < beta < inf` (comparisons only: false for NaN),
-        # the last one did not break down and restarts are left; else `why` says why not.
+        # the last one did not break down and restarts are left.
         go = (tol < beta) & (beta < jnp.inf) & ~st.broke & (st.restarts < max_restarts)
-        why = jnp.where(
-            ~(jnp.isfinite(rr) & jnp.isfinite(bb)), code(Status.NONFINITE),
-            jnp.where(beta <= tol, code(Status.CONVERGED),
-                      jnp.where(st.broke, code(Status.BREAKDOWN), code(Status.MAX_STEPS))))
         cy = arnoldi(r, beta, tol, st.anorm, go)
 
         y = _least_squares(cy.H[: m + 1, 1: m + 1] if orthogonalization == "one_sync" else cy.H,
@@ -311,9 +307,12 @@ def _gmres_solve(matvec, b, *, x0, precond, restart, max_restarts, rtol, atol, i
         update = tree.basis_combine(directions, _pad(y, directions))
         x = tree.where(zero_b, tree.zeros_like(b), tree.add(st.x, update))
         # After a cycle the next pass checks the true residual; with no cycle run,
-        # this pass was that check and the loop ends.
-        status = jnp.where(go, jnp.where(cy.flag == code(Status.NONFINITE), cy.flag, RUNNING),
-                           why)
+        # this pass was that check and the loop ends, saying why no cycle ran.
+        status = first_status([(go & (cy.flag == code(Status.NONFINITE)), Status.NONFINITE),
+                               (go, RUNNING),
+                               (~(jnp.isfinite(rr) & jnp.isfinite(bb)), Status.NONFINITE),
+                               (beta <= tol, Status.CONVERGED),
+                               (st.broke, Status.BREAKDOWN)], Status.MAX_STEPS)
         return _Outer(x=x, k=st.k + cy.j, restarts=st.restarts + go.astype(jnp.int32),
                       status=status,
                       broke=cy.flag == code(Status.BREAKDOWN),
