@@ -204,11 +204,7 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     c = jnp.where(finished, a, 0)
     uu = jnp.real(_get(a, k))
     nu = _reduce.real_sqrt(uu - jnp.sum(jnp.abs(c) ** 2))
-    qk_w_nu = _get(bw, k) - jnp.sum(jnp.conj(c) * bw)  # nu <q_k, w>
-    # Every entry of the projections reaches one of these two scalars (rows of V
-    # beyond k are zero, and c is zero from k on: 0 * inf and 0 * NaN are NaN),
-    # so they are finite exactly when the projections are; no reduction over them.
-    finite = jnp.isfinite(nu) & jnp.isfinite(qk_w_nu)
+    finite = jnp.all(jnp.isfinite(a)) & jnp.all(jnp.isfinite(bw))
 
     # Finish column k - 1 (stored at column k: see `_arnoldi`; at k = 0 that is
     # the unused column 0, and c = 0).
@@ -226,7 +222,7 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     # the basis before row k changes, in one pass: Q (Q^H w) = V qw_old + qw[k] q,
     # where qw_old has no entry at row k (still u).
     qw_old = jnp.where(finished, bw, 0)
-    qk_w = qk_w_nu / nu  # <q_k, w>
+    qk_w = (_get(bw, k) - jnp.sum(jnp.conj(c) * bw)) / nu  # <q_k, w>
     qw = _put(qw_old, k, qk_w)
     Vc, Vqw = tree.basis_combine_many(cy.V, [c, qw_old])
     q = tree.scale(1.0 / nu, tree.sub(u, Vc))
