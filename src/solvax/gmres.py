@@ -28,7 +28,8 @@ class _Cycle(NamedTuple):
     V: PyTree  # (m + 1, ...) orthonormal basis; one_sync: (m + 2, ...), row k pending
     u: PyTree | None  # one_sync: the pending row k of V, also kept apart (see below)
     Z: PyTree  # (m, ...) preconditioned directions (None without a preconditioner)
-    H: jax.Array  # the Hessenberg matrix (m + 1, m); one_sync: (m + 2, m + 2), column i at i + 1
+    H: jax.Array  # the Hessenberg matrix (m + 1, m); in a one-sync loop (m + 2, m + 2),
+    #               column i stored at i + 1 (see `_arnoldi`)
     z: jax.Array  # (m + 1,) left null vector of the accepted columns (see _finalize_column)
     zz: jax.Array  # ||z||^2
     beta: jax.Array  # ||r|| at the start of the cycle
@@ -206,8 +207,8 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     nu = _reduce.real_sqrt(uu - jnp.sum(jnp.abs(c) ** 2))
     finite = jnp.all(jnp.isfinite(a)) & jnp.all(jnp.isfinite(bw))
 
-    # Finish column k - 1 (stored at column k: see `_arnoldi`; at k = 0 that is
-    # the unused column 0, and c = 0).
+    # Finish column k - 1 (stored at column k; at k = 0 that is the unused
+    # column 0, and c = 0).
     column = _get(cy.H, k, axis=1)
     finished_col = _put(column + c, k, nu)
     # Columns of H represent A M on unit vectors: ||A M|| >= ||H[:, k - 1]||.
@@ -267,8 +268,11 @@ def _arnoldi(matvec, b, *, precond, ip, m, orthogonalization):
                     beta=beta,
                     j=jnp.int32(0), k=jnp.int32(0), anorm=anorm,
                     flag=first_status([(go, RUNNING)], Status.MAX_STEPS))
-        return lax.while_loop(lambda c: (c.flag == RUNNING) & (c.k < steps),
-                              functools.partial(step, tol=tol), cy)
+        cy = lax.while_loop(lambda c: (c.flag == RUNNING) & (c.k < steps),
+                            functools.partial(step, tol=tol), cy)
+        # One-sync stores H one column to the right (a step then writes the column
+        # it finishes and the new one in one update); the cycle returns it unshifted.
+        return cy._replace(H=cy.H[: m + 1, 1: m + 1]) if one_sync else cy
 
     return run
 
@@ -297,8 +301,7 @@ def _gmres_solve(matvec, b, *, x0, precond, restart, max_restarts, rtol, atol, i
         go = (tol < beta) & (beta < jnp.inf) & ~st.broke & (st.restarts < max_restarts)
         cy = arnoldi(r, beta, tol, st.anorm, go)
 
-        y = _least_squares(cy.H[: m + 1, 1: m + 1] if orthogonalization == "one_sync" else cy.H,
-                           beta, cy.j)
+        y = _least_squares(cy.H, beta, cy.j)
         directions = cy.Z if precond is not None else cy.V
         update = tree.basis_combine(directions, _pad(y, directions))
         x = tree.where(zero_b, tree.zeros_like(b), tree.add(st.x, update))
