@@ -146,3 +146,14 @@ def test_cg_step_status_order(rr, gamma, curvature, expected):
     assert bool(go) == (int(expected) == -1)
     if not bool(go):
         assert int(cg._stop_reason(rr, gamma, curvature, tol2)) == int(expected)
+
+
+@pytest.mark.parametrize("method", ["standard", "single_reduction", "pipelined"])
+def test_pcg_exact_steps(method):
+    """Three distinct eigenvalues: CG is exact after 3 steps, and `iterations`
+    counts the steps that updated x (the one that found convergence did not)."""
+    d = jnp.asarray(np.r_[np.full(10, 2.0), np.full(10, 3.0), np.full(10, 5.0)])
+    sol = sx.pcg(lambda x: d * x, jnp.ones(30), rtol=1e-12, method=method)
+    assert bool(sol.converged) and int(sol.iterations) == 3, (method, int(sol.iterations))
+    sol = sx.pcg(lambda x: d * x, jnp.ones(30), rtol=1e-12, method=method, max_steps=2)
+    assert int(sol.status) == Status.MAX_STEPS and int(sol.iterations) == 2
