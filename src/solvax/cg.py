@@ -47,6 +47,11 @@ def _masked_div(pred, num, den):
     return jnp.where(pred, num, 0) / jnp.where(pred, den, 1)
 
 
+def _squared_threshold(bb, rtol, atol):
+    """`max(atol, rtol ||b||)^2` from `bb = ||b||^2` (no square root)."""
+    return jnp.maximum(atol * atol, rtol * rtol * bb)
+
+
 def _may_go(rr, gamma, tol2):
     """`tol2 < rr < inf` and `0 < gamma < inf`: comparisons only (false for NaN)."""
     return (tol2 < rr) & (rr < jnp.inf) & (0 < gamma) & (gamma < jnp.inf)
@@ -57,7 +62,7 @@ def _top_of_step(state: _State, rr, gamma, rtol, atol, tol_from_rr: bool):
     the top of a step, and whether the step may go on (`_may_go`)."""
     first = state.k == 0
     if tol_from_rr:  # x0 = None: ||b||^2 is the first step's <r, r>
-        tol2 = jnp.where(first, jnp.maximum(atol * atol, rtol * rtol * rr), state.tol2)
+        tol2 = jnp.where(first, _squared_threshold(rr, rtol, atol), state.tol2)
     else:
         tol2 = state.tol2
     history = state.history
@@ -117,11 +122,10 @@ def _pcg_solve(matvec, b, *, x0, precond, rtol, atol, max_steps, method, ip,
     else:
         with jax.named_scope("solvax.pcg.setup"):
             bb = jnp.real(ip.dot(b, b))
-            tol = jnp.maximum(atol, rtol * _reduce.real_sqrt(bb))
             zero_b = bb == 0  # b = 0: the answer is exactly 0, whatever x0
             x = tree.where(zero_b, tree.zeros_like(b), x0)
             r = tree.where(zero_b, b, tree.sub(b, matvec(x0)))
-            tol2 = tol * tol
+            tol2 = _squared_threshold(bb, rtol, atol)
     one = jnp.ones((), real)
     zeros = tree.zeros_like(b)
     state = _State(x=x, r=r, p=zeros, s=None, u=None, w=None, q=None, z=None, gamma=one,
