@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.scipy.linalg import solve_triangular
 
@@ -126,15 +127,17 @@ def _least_squares(H, beta, j):
 
     Unused columns are replaced by unit vectors below the used rows, so the
     factorization has full rank and their coefficients come out zero. (One
-    elementwise expression builds the matrix: one kernel.)
+    elementwise expression builds the matrix, its masks NumPy constants: one
+    kernel, where masks from `jnp.arange` were kernels of their own.)
     """
     m = H.shape[1]
-    row, col = jnp.arange(m + 1)[:, None], jnp.arange(m + 1)[None, :]
-    A = jnp.where(col < j, jnp.pad(H, ((0, 0), (0, 1))),
-                  jnp.where(col == m, jnp.where(row == 0, beta, 0), row == col + 1))
-    R = jnp.linalg.qr(A.astype(H.dtype), mode="r")
+    rows, cols = np.indices((m + 1, m + 1))
+    fill = (rows == cols + 1).astype(H.dtype)  # unit vectors below the used rows
+    A = jnp.where(cols < j, jnp.pad(H, ((0, 0), (0, 1))),
+                  jnp.where((rows == 0) & (cols == m), jnp.asarray(beta, H.dtype), fill))
+    R = jnp.linalg.qr(A, mode="r")
     y = solve_triangular(R[:m, :m], R[:m, m], lower=False)
-    return jnp.where(jnp.arange(m) < j, y, 0)
+    return jnp.where(np.arange(m) < j, y, 0)
 
 
 def _cgs2_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
@@ -200,12 +203,13 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     with jax.named_scope("solvax.gmres.matvec"):
         w = matvec(mu)
     with jax.named_scope("solvax.gmres.orthogonalize"):
-        a, bw = ip.project_many(cy.V, [u, w])
+        projections = ip.project_many(cy.V, [u, w])
+    a, bw = projections
     finished = jnp.arange(rows) < k
     c = jnp.where(finished, a, 0)
     uu = jnp.real(_get(a, k))
     nu = _reduce.real_sqrt(uu - jnp.sum(jnp.abs(c) ** 2))
-    finite = jnp.all(jnp.isfinite(a)) & jnp.all(jnp.isfinite(bw))
+    finite = jnp.all(jnp.isfinite(projections))
 
     # Finish column k - 1 (stored at column k; at k = 0 that is the unused
     # column 0, and c = 0).
@@ -261,7 +265,9 @@ def _arnoldi(matvec, b, *, precond, ip, m, orthogonalization):
     steps = m + 1 if one_sync else m  # one_sync finishes column m - 1 at step m
 
     def run(r, beta, tol, anorm, go) -> _Cycle:
-        v0 = tree.scale(1.0 / jnp.where(beta == 0, 1.0, beta), r)
+        # One-sync: r is the pending row 0, which the first step normalizes (c = 0,
+        # nu = ||r||); CGS2 starts from r / beta.
+        v0 = r if one_sync else tree.scale(1.0 / jnp.where(beta == 0, 1.0, beta), r)
         cy = _Cycle(V=tree.basis_set(basis_V, 0, v0), u=v0 if one_sync else None, Z=basis_Z,
                     H=jnp.zeros((m + 2, m + 2) if one_sync else (m + 1, m), dtype),
                     z=jnp.zeros((m + 1,), dtype).at[0].set(1), zz=jnp.ones((), real),
