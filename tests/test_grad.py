@@ -1,5 +1,7 @@
 """Derivatives: implicit adjoints against dense `jnp.linalg.solve` and finite differences."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,3 +146,49 @@ def test_linear_solve_custom_solver_grad_costs_transposed_solve():
     Ai = jnp.linalg.inv(A)
     assert rel_err(g, 2 * Ai.T @ (Ai @ b)) < 1e-8
     assert len(calls) == 2  # one primal, one transposed solve traced
+
+
+@pytest.mark.parametrize("solve", [sx.pcg, sx.gmres])
+def test_grad_of_jit_with_traced_options(solve):
+    """Preconditioner, inner-product weights, a callable inner product and x0
+    may all be traced values of the function being differentiated: the
+    derivative rule, run after `jit` has finished tracing, reads them as
+    explicit parameters (never as stale closures)."""
+    A = spd_dense(jnp.linspace(0.5, 1.5, N))
+
+    def loss(theta, b, w, s):
+        M = lambda r: r / (2.0 + s)  # noqa: E731 (closes over a traced scalar)
+        products = [sx.InnerProduct(weight=w), lambda x, y: jnp.sum(x * y) * s]
+        xs = [solve(lambda x: (A + jnp.diag(theta)) @ x, b, x0=b * s, precond=M,
+                    inner_product=ip, rtol=1e-12).x for ip in products]
+        return sum(jnp.sum(x**2) for x in xs)
+
+    def dense_loss(theta, b, w, s):
+        return 2 * jnp.sum(jnp.linalg.solve(A + jnp.diag(theta), b) ** 2)
+
+    args = (jnp.linspace(0.1, 0.2, N), rhs(N), jnp.linspace(1.0, 2.0, N), jnp.float64(0.5))
+    g = jax.grad(jax.jit(loss), argnums=(0, 1))(*args)
+    g_ref = jax.grad(dense_loss, argnums=(0, 1))(*args)
+    assert rel_err(g[0], g_ref[0]) < 1e-8
+    assert rel_err(g[1], g_ref[1]) < 1e-8
+
+
+def test_transposed_solve_traced_only_for_derivatives(monkeypatch):
+    """A solve that is not differentiated traces its iteration once; reverse
+    mode traces the transposed solve as well."""
+    gmres_module = importlib.import_module("solvax.gmres")
+    traced = []
+    original = gmres_module._gmres_solve
+
+    def counting(*args, **kwargs):
+        traced.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gmres_module, "_gmres_solve", counting)
+    A = jnp.asarray(random_nonsymmetric(N))
+    b = rhs(N)
+    jax.jit(lambda b: sx.gmres(lambda x: A @ x, b).x).trace(b)
+    assert len(traced) == 1
+    traced.clear()
+    jax.grad(lambda b: jnp.sum(sx.gmres(lambda x: A @ x, b).x ** 2))(b)
+    assert len(traced) == 2

@@ -102,6 +102,6 @@ def check_solver_inputs(matvec, b, x0, precond, rtol, atol) -> None:
     if x0 is not None:
         check_like("x0", x0, "b", b)
     if precond is not None:
-        check_operator("precond", precond, b)
+        check_callable("precond", precond)  # its output is checked by `krylov_solve`
     check_tolerance("rtol", rtol)
     check_tolerance("atol", atol)

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._closure import close
+
 PyTree = Any
 Pair = tuple[PyTree, PyTree]
 
@@ -27,6 +29,7 @@ Pair = tuple[PyTree, PyTree]
 MERGES_ALL_REDUCES = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 7)
 
 
+@jax.tree_util.register_pytree_node_class
 class InnerProduct:
     """The inner product `<x, y> = sum_leaves sum(conj(x) * weight * y)`.
 
@@ -45,6 +48,18 @@ class InnerProduct:
 
     def __repr__(self) -> str:
         return f"InnerProduct(axis_name={self.axis_name!r}, weighted={self.weight is not None})"
+
+    # A pytree (the weights are its leaves), so solvers take it as an argument.
+    def tree_flatten(self):
+        return (self.weight,), self.axis_name
+
+    @classmethod
+    def tree_unflatten(cls, axis_name, children):
+        return cls(axis_name=axis_name, weight=children[0])
+
+    def closed(self, like: PyTree) -> InnerProduct:
+        """This inner product with every traced value it reads a pytree leaf."""
+        return self
 
     # -- the single reduction -------------------------------------------------
     def _global_sum(self, partials: list[jax.Array]) -> jax.Array:
@@ -144,6 +159,7 @@ class InnerProduct:
         return real_sqrt(self.dot(x, x))
 
 
+@jax.tree_util.register_pytree_node_class
 class _CallableInnerProduct(InnerProduct):
     """Wraps a user function `(x, y) -> scalar`; each product is its own reduction."""
 
@@ -153,6 +169,16 @@ class _CallableInnerProduct(InnerProduct):
 
     def __repr__(self) -> str:
         return f"InnerProduct({self.fn!r})"
+
+    def tree_flatten(self):
+        return (self.fn,), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(children[0])
+
+    def closed(self, like: PyTree) -> InnerProduct:
+        return _CallableInnerProduct(close(self.fn, like, like))
 
     def multi_dot(self, pairs):
         return jnp.stack([jnp.asarray(self.fn(x, y)) for x, y in pairs])

@@ -13,7 +13,7 @@ from jax import lax
 from . import _checks, _reduce
 from . import _tree as tree
 from ._solution import RUNNING, Solution, Status, first_status, make_solution
-from .linear_solve import implicit_solve
+from .linear_solve import krylov_solve
 
 PyTree = Any
 
@@ -347,13 +347,12 @@ def pcg(
             raise ValueError("`residual_replacement` applies to `method='pipelined'` only; "
                              f"got method={method!r}.")
     ip = _reduce.resolve(inner_product, axis_name)
-    options = dict(precond=precond, rtol=rtol, atol=atol, max_steps=max_steps, method=method,
-                   ip=ip, residual_replacement=residual_replacement,
-                   record_history=bool(record_history))
-    solve = functools.partial(_pcg_solve, x0=x0, **options)
-    # A^T = conj(A) is HPD too; its solve starts from zero, not the primal's x0.
-    transpose = solve if x0 is None else functools.partial(_pcg_solve, x0=None, **options)
-    return implicit_solve(matvec, b, solve, transpose, symmetric=_checks.is_real(b))
+    solve = functools.partial(_pcg_solve, max_steps=max_steps, method=method,
+                              residual_replacement=residual_replacement,
+                              record_history=bool(record_history))
+    # A^T = conj(A) is HPD too (symmetric for real b).
+    return krylov_solve(matvec, b, solve, x0=x0, precond=precond, rtol=rtol, atol=atol, ip=ip,
+                        symmetric=_checks.is_real(b))
 
 
 def pcg_linear_solve(matvec: Callable[[PyTree], PyTree], b: PyTree, **pcg_options) -> Solution:

@@ -15,7 +15,7 @@ from jax.scipy.linalg import solve_triangular
 from . import _checks, _reduce
 from . import _tree as tree
 from ._solution import RUNNING, Solution, Status, code, first_status, make_solution
-from .linear_solve import implicit_solve
+from .linear_solve import krylov_solve
 
 PyTree = Any
 
@@ -454,13 +454,8 @@ def gmres(
     max_restarts = _checks.check_int("max_restarts", max_restarts, 0)
     _checks.check_choice("orthogonalization", orthogonalization, ORTHOGONALIZATIONS)
     ip = _reduce.resolve(inner_product, axis_name)
-    options = dict(precond=precond, restart=restart, max_restarts=max_restarts,
-                   rtol=rtol, atol=atol, ip=ip, orthogonalization=orthogonalization,
-                   record_history=bool(record_history))
-    return implicit_solve(
-        matvec,
-        b,
-        functools.partial(_gmres_solve, x0=x0, **options),
-        functools.partial(_gmres_solve, x0=None, **options),
-        symmetric=False,
-    )
+    solve = functools.partial(_gmres_solve, restart=restart, max_restarts=max_restarts,
+                              orthogonalization=orthogonalization,
+                              record_history=bool(record_history))
+    return krylov_solve(matvec, b, solve, x0=x0, precond=precond, rtol=rtol, atol=atol, ip=ip,
+                        symmetric=False)

@@ -10,6 +10,7 @@ import numpy as np
 
 from . import _checks
 from . import _tree as tree
+from ._closure import Closed, close, transposed
 from ._solution import Solution
 
 PyTree = Any
@@ -41,64 +42,73 @@ def _diagnostics_restored(out):
                         iterations=out.iterations.astype(np.int32))
 
 
-def implicit_solve(matvec, b, solver: Solver, transpose_solver: Solver, symmetric: bool):
-    """`solver(matvec, b)` with derivatives defined implicitly (the core of `linear_solve`).
+def implicit_solve(A: Closed, b, solver, transpose_solver, params, symmetric: bool):
+    """`solver(A, b, params)` with derivatives defined implicitly (the core of
+    `linear_solve`).
 
-    The primal runs `solver` once and returns whatever it returns (a
-    `Solution` with its diagnostics, or the solution pytree); the tangent is
-    one `lax.custom_linear_solve` of `A dx = db - dA x`, whose transpose
-    (reverse mode) is one `transpose_solver` call on `A^T`.
-
-    Everything the operator and the solvers close over is hoisted into
-    explicit arguments (`jax.closure_convert`), so they may close over traced
-    values: the operator's are differentiated, the solvers' (initial guess,
-    preconditioner, weights) are not — the solution does not depend on them.
-    Diagnostics stay outside `custom_linear_solve`, so inside `shard_map` they
-    keep their own (invariant) type.
+    `solver(A, rhs, params)` and `transpose_solver(A^T, rhs, params)` (None:
+    `A` is symmetric and the solve the same as the primal one) read
+    every traced value they need from their arguments (they close over static
+    options only), so the primal solve is traced once and the transposed
+    solve only when a derivative asks for it. The primal runs `solver` once
+    and returns whatever it returns (a `Solution` with its diagnostics, or the
+    solution pytree); the tangent is one `lax.custom_linear_solve` of
+    `A dx = db - dA x`, whose transpose (reverse mode) is one
+    `transpose_solver` call. `A`'s leaves are differentiated; `params`'
+    (initial guess, preconditioner, weights) are not: the solution does not
+    depend on them. Diagnostics stay outside `custom_linear_solve`, so inside
+    `shard_map` they keep their own (invariant) type.
     """
-    mv, mv_consts = jax.closure_convert(matvec, b)
-    # Checked on the converted operator: the user's function is traced once.
-    _checks.check_operator("matvec", mv, b, *mv_consts)
-
-    def operator(consts):
-        return lambda x: mv(x, *consts)
-
-    def transposed(consts):
-        if symmetric:
-            return operator(consts)
-        transpose = jax.linear_transpose(operator(consts), b)
-        return lambda y: transpose(y)[0]
-
-    sv, sv_consts = jax.closure_convert(lambda r, c: solver(operator(c), r), b, mv_consts)
-    if symmetric and transpose_solver is solver:  # the same solve: trace it once
-        tsv, tsv_consts = (lambda r, c, *consts: _solution_of(sv(r, c, *consts))), sv_consts
-    else:
-        tsv, tsv_consts = jax.closure_convert(
-            lambda r, c: _solution_of(transpose_solver(transposed(c), r)), b, mv_consts)
 
     @jax.custom_jvp
-    def solve(b, mv_consts, sv_consts, tsv_consts):
-        return _diagnostics_as_reals(sv(b, mv_consts, *sv_consts))
+    def solve(b, A, params):
+        return _diagnostics_as_reals(solver(A, b, params))
 
     @solve.defjvp
     def solve_jvp(primals, tangents):
-        b, mv_c, sv_c, tsv_c = primals
-        db, dmv_c, _, _ = tangents
-        out = solve(b, mv_c, sv_c, tsv_c)
+        b, A, params = primals
+        db, dA, _ = tangents
+        primal = close(lambda r: solver(A, r, params), b)  # traced once, used twice
+        out = _diagnostics_as_reals(primal(b))
         x = _solution_of(out)
-        _, dA_x = jax.jvp(lambda c: mv(x, *c), (mv_c,), (dmv_c,))
+        _, dA_x = jax.jvp(lambda A: A(x), (A,), (dA,))
+        At = A if symmetric else transposed(A)
         dx = jax.lax.custom_linear_solve(
-            operator(mv_c),
+            A,
             tree.sub(db, dA_x),
-            lambda _, r: _solution_of(sv(r, mv_c, *sv_c)),
-            lambda _, r: tsv(r, mv_c, *tsv_c),
+            lambda _, r: _solution_of(primal(r)),
+            lambda _, r: _solution_of(primal(r) if transpose_solver is None
+                                      else transpose_solver(At, r, params)),
             symmetric=symmetric,
         )
         if isinstance(out, Solution):
             return out, jax.tree_util.tree_map(jax.numpy.zeros_like, out)._replace(x=dx)
         return out, dx
 
-    return _diagnostics_restored(solve(b, mv_consts, sv_consts, tsv_consts))
+    return _diagnostics_restored(solve(b, A, params))
+
+
+def krylov_solve(matvec, b, solve, *, x0, precond, rtol, atol, ip, symmetric: bool):
+    """`solve(A, b, x0=, precond=, rtol=, atol=, ip=)` (a Krylov iteration, its
+    static options bound) under `implicit_solve`, every traced value it reads
+    an explicit parameter; the transposed solve starts from zero."""
+    A = closed_operator(matvec, b)
+    if precond is not None:
+        precond = close(precond, b)
+        _checks.check_operator("precond", precond, b)
+    params = dict(x0=x0, precond=precond, rtol=rtol, atol=atol, ip=ip.closed(b))
+    same = symmetric and x0 is None  # the transposed solve is the primal one
+    return implicit_solve(A, b, lambda A, r, p: solve(A, r, **p),
+                          None if same else lambda At, r, p: solve(At, r, **dict(p, x0=None)),
+                          params, symmetric)
+
+
+def closed_operator(matvec, b) -> Closed:
+    """`matvec` as a `Closed`, its output checked against `b` (on the converted
+    function: the user's function is traced once)."""
+    A = close(matvec, b)
+    _checks.check_operator("matvec", A, b)
+    return A
 
 
 def linear_solve(
@@ -150,4 +160,13 @@ def linear_solve(
     for name, fn in (("solver", solver), ("transpose_solver", transpose_solver)):
         if (fn is not None or name == "solver") and not callable(fn):
             raise TypeError(f"`{name}` must be a function `(matvec, b) -> x`; got {fn!r}.")
-    return implicit_solve(matvec, b, solver, transpose_solver or solver, symmetric)
+    A = closed_operator(matvec, b)
+    # The user's solvers may close over anything: closing them makes those values
+    # explicit (traced now, a distinct transposed solver included).
+    primal = close(lambda r, A: solver(A, r), b, A)
+    if symmetric and transpose_solver in (None, solver):
+        return implicit_solve(A, b, lambda A, r, p: p(r, A), None, primal, symmetric)
+    dual = close(lambda r, At: _solution_of((transpose_solver or solver)(At, r)), b,
+                 A if symmetric else transposed(A))
+    return implicit_solve(A, b, lambda A, r, p: p[0](r, A), lambda At, r, p: p[1](r, At),
+                          (primal, dual), symmetric)
