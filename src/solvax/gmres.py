@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -60,19 +61,28 @@ def _record(history, offset, cy: _Cycle):
     m = cy.z.shape[0] - 1
     estimates = cy.beta / jnp.sqrt(jnp.cumsum(jnp.abs(cy.z) ** 2))[1:]
     old = lax.dynamic_slice(history, (offset + 1,), (m,))
-    new = jnp.where(jnp.arange(m) < cy.j, estimates.astype(history.dtype), old)
+    new = jnp.where(np.arange(m) < cy.j, estimates.astype(history.dtype), old)
     return lax.dynamic_update_slice(history.at[offset].set(cy.beta), new, (offset + 1,))
 
 
+# The traced indices below are never negative (an index past either end is
+# clamped, as XLA does). Where JAX accepts it (0.5 on), saying so drops its
+# wrap-around select, which one-sync's column index got a kernel for.
+_NO_WRAP = ({"allow_negative_indices": False}
+            if "allow_negative_indices" in inspect.signature(lax.dynamic_slice).parameters
+            else {})
+
+
 def _get(x, i, axis=0):
-    """`x[i]` along `axis` for a traced `0 <= i < n` (no index normalization)."""
-    return lax.dynamic_index_in_dim(x, i, axis, keepdims=False)
+    """`x[i]` along `axis` for a traced `i` (clamped into range)."""
+    return lax.dynamic_index_in_dim(x, i, axis, keepdims=False, **_NO_WRAP)
 
 
 def _put(x, i, value, axis=0):
     """`x` with index `i` along `axis` set to `value` (a dynamic update, not a scatter)."""
     value = jnp.asarray(value, x.dtype)
-    return lax.dynamic_update_index_in_dim(x, jnp.expand_dims(value, axis), i, axis)
+    return lax.dynamic_update_index_in_dim(x, jnp.expand_dims(value, axis), i, axis,
+                                           **_NO_WRAP)
 
 
 def _finalize_column(cy: _Cycle, col, h, hnext, scale, tol, finite, enabled=True):
@@ -152,7 +162,7 @@ def _cgs2_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
         z = precond(v) if precond is not None else v
     with jax.named_scope("solvax.gmres.matvec"):
         w = matvec(z)
-    active = jnp.arange(m + 1) <= j
+    active = np.arange(m + 1) <= j
     with jax.named_scope("solvax.gmres.orthogonalize"):
         h1 = jnp.where(active, ip.project(cy.V, w), 0)
         w = tree.sub(w, tree.basis_combine(cy.V, h1))
@@ -205,20 +215,21 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     with jax.named_scope("solvax.gmres.orthogonalize"):
         projections = ip.project_many(cy.V, [u, w])
     a, bw = projections
-    finished = jnp.arange(rows) < k
+    finished = np.arange(rows) < k
     c = jnp.where(finished, a, 0)
     uu = jnp.real(_get(a, k))
     nu = _reduce.real_sqrt(uu - jnp.sum(jnp.abs(c) ** 2))
     finite = jnp.all(jnp.isfinite(projections))
 
     # Finish column k - 1 (stored at column k; at k = 0 that is the unused
-    # column 0, and c = 0).
+    # column 0, c = 0 and `_finalize_column` is disabled, so what index k - 1 = -1
+    # reads does not matter).
     column = _get(cy.H, k, axis=1)
     finished_col = _put(column + c, k, nu)
     # Columns of H represent A M on unit vectors: ||A M|| >= ||H[:, k - 1]||.
     anorm = jnp.maximum(cy.anorm, jnp.where(
         k > 0, jnp.sqrt(jnp.sum(jnp.abs(finished_col) ** 2)), 0))
-    cy, _, go = _finalize_column(cy._replace(anorm=anorm), jnp.maximum(k - 1, 0), finished_col,
+    cy, _, go = _finalize_column(cy._replace(anorm=anorm), k - 1, finished_col,
                                  nu, tiny * anorm, tol, finite, enabled=k > 0)
     # Divisions by nu need no guard: if nu is 0 or not finite, go is false and
     # nothing computed from them is kept.
@@ -237,8 +248,9 @@ def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
         Z = tree.basis_fill(Z, k, [tree.scale(1.0 / nu, tree.sub(
             mu, tree.basis_combine(Z, c[: m + 1])))], go)
     # H[:, :k] c[:k], the finished column k - 1 included: the stored columns
-    # 1..k (k still unfinished there) times c, plus the finishing update times c[k - 1].
-    Hc = cy.H[:, 1:] @ c[: m + 1] + (finished_col - column) * _get(c, jnp.maximum(k - 1, 0))
+    # 1..k (k still unfinished there) times c (shifted with them), plus the
+    # finishing update times c[k - 1] (at k = 0, c = 0 wherever the index lands).
+    Hc = cy.H @ jnp.pad(c[:-1], (1, 0)) + (finished_col - column) * _get(c, k - 1)
     h_next = (qw - Hc) / nu
     both = jnp.stack([finished_col, h_next], axis=1)
     return cy._replace(
