@@ -431,7 +431,6 @@ def gmres(
         restart: Arnoldi steps per cycle (basis size).
         max_restarts: cycle limit (default `ceil(10 * size(b) / restart)`).
         rtol, atol: stop when `||b - A x|| <= max(atol, rtol * ||b||)`.
-        inner_product: a `solvax.InnerProduct` (or `(x, y) -> scalar`).
         orthogonalization: `"one_sync"` (one reduction per step) or `"cgs2"` (two).
         record_history: store the residual norm after every accepted step in
             `Solution.history` (the true norm at each restart, the
