@@ -192,3 +192,22 @@ def test_transposed_solve_traced_only_for_derivatives(monkeypatch):
     traced.clear()
     jax.grad(lambda b: jnp.sum(sx.gmres(lambda x: A @ x, b).x ** 2))(b)
     assert len(traced) == 2
+
+
+@pytest.mark.parametrize("solve", [sx.pcg, sx.gmres])
+def test_hessian_matches_dense(solve):
+    """Second derivatives: the derivative rule is itself differentiable (with a
+    preconditioner that depends on the parameters)."""
+    A = spd_dense(jnp.zeros(8))
+
+    def loss(theta, b):
+        x = solve(lambda x: A @ x + theta * x, b, rtol=1e-12,
+                  precond=lambda r: r / (2.0 + theta[0])).x
+        return jnp.sum(x**3)
+
+    def dense_loss(theta, b):
+        return jnp.sum(jnp.linalg.solve(A + jnp.diag(theta), b) ** 3)
+
+    theta, b = jnp.linspace(0.1, 0.2, 8), rhs(8)
+    H = jax.jit(jax.hessian(loss))(theta, b)
+    assert rel_err(H, jax.hessian(dense_loss)(theta, b)) < 1e-8

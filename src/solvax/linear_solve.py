@@ -68,8 +68,11 @@ def implicit_solve(A: Closed, b, solver, transpose_solver, params, symmetric: bo
     def solve_jvp(primals, tangents):
         b, A, params = primals
         db, dA, _ = tangents
-        primal = close(lambda r: solver(A, r, params), b)  # traced once, used twice
-        out = _diagnostics_as_reals(primal(b))
+        # The primal solve, traced once and used for the tangent solve too; as a call
+        # of `solve` itself, so higher derivatives use this rule again instead of
+        # differentiating through the iteration.
+        primal = close(lambda r: solve(r, A, params), b)
+        out = primal(b)
         x = _solution_of(out)
         _, dA_x = jax.jvp(lambda A: A(x), (A,), (dA,))
         At = A if symmetric else transposed(A)
