@@ -211,3 +211,24 @@ def test_hessian_matches_dense(solve):
     theta, b = jnp.linspace(0.1, 0.2, 8), rhs(8)
     H = jax.jit(jax.hessian(loss))(theta, b)
     assert rel_err(H, jax.hessian(dense_loss)(theta, b)) < 1e-8
+
+
+@pytest.mark.parametrize("solve", [sx.pcg, sx.gmres])
+def test_vmap_grad_with_batched_options(solve):
+    """`vmap` over a parameter that the operator, the preconditioner, the
+    inner-product weights and x0 all depend on (batched explicit arguments)."""
+    A = spd_dense(jnp.zeros(N))
+
+    def f(s, b):
+        return solve(lambda x: A @ x + s * x, b, rtol=1e-12, precond=lambda r: r / (2 + s),
+                     inner_product=sx.InnerProduct(weight=jnp.full(N, 1 + s)), x0=b * s).x
+
+    S, B = jnp.array([0.5, 1.0, 2.0]), jnp.stack([rhs(N, seed=i) for i in range(3)])
+    X = jax.vmap(f)(S, B)
+    for s, b, x in zip(S, B, X):
+        assert rel_err(x, jnp.linalg.solve(A + s * jnp.eye(N), b)) < 1e-10
+    g = jax.vmap(jax.grad(lambda s, b: jnp.sum(f(s, b) ** 2)))(S, B)
+    eps = 1e-6
+    fd = jnp.array([(jnp.sum(f(s + eps, b) ** 2) - jnp.sum(f(s - eps, b) ** 2)) / (2 * eps)
+                    for s, b in zip(S, B)])
+    assert rel_err(g, fd) < 1e-6
