@@ -8,8 +8,6 @@ Counts collective instructions in the optimized HLO of each compiled solve
 """
 
 import argparse
-import dataclasses
-import json
 import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -36,9 +34,7 @@ def main() -> None:
         rows += measured
         print(_table.format_table(measured), end="\n\n")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"jax": jax.__version__, "rows": [dataclasses.asdict(r) for r in rows]},
-                      f, indent=2)
+        _table.write_json(rows, args.json)
         print(f"wrote {args.json}")
 
 

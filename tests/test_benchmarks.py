@@ -34,7 +34,6 @@ def test_benchmark_peers_small(tmp_path):
     assert all(r["true_relative_residual"] < 1e-7 for r in data["problems"]
                if r["solver"].startswith("solvax"))
     compile_ratio = {r["solver"]: r["compile_vs_jax_scipy"] for r in data["problems"]}
-    assert compile_ratio["jax.scipy cg"] == compile_ratio["jax.scipy gmres batched"] == 1.0
     assert all(v > 0 for v in compile_ratio.values())
     assert {r["solver"]: r["all_reduces_per_iteration"] for r in data["latency"]}[
         "solvax pcg single_reduction"] == 1

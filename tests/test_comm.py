@@ -6,7 +6,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import solvax as sx
-from solvax.comm import analyze_hlo
+from solvax._comm import analyze_hlo
 
 M = mesh()
 

@@ -15,15 +15,20 @@ def clean_env():
     return env
 
 
-def test_python_m_solvax_prints_the_live_table():
-    out = subprocess.run([sys.executable, "-m", "solvax"], capture_output=True, text=True,
-                         env=clean_env(), timeout=600, check=True).stdout
+def test_python_m_solvax_prints_the_live_table(tmp_path):
+    path = tmp_path / "table.json"
+    out = subprocess.run([sys.executable, "-m", "solvax", "--json", str(path)],
+                         capture_output=True, text=True, env=clean_env(), timeout=600,
+                         check=True).stdout
     assert "8 CPU devices" in out
-    lines = {line.split("  ")[0]: line.split() for line in out.splitlines() if "  " in line}
-    pcg = lines["PCG"]
-    assert pcg[1:5] == ["8", "2", "4", "2"]  # devices, primal, adjoint, per step
-    single = lines["PCG, single_reduction=True"]
-    assert single[2:7] == ["8", "1", "2", "1", "0"]  # ... and no all-gather
+    rows = {r["case"]: r for r in json.loads(path.read_text())["rows"]}
+    for case in rows:
+        assert case in out  # the printed table and the JSON are the same rows
+    pcg = rows["PCG"]
+    assert (pcg["devices"], pcg["primal"], pcg["adjoint"], pcg["per_step"]) == (8, 2, 4, 2)
+    single = rows["PCG, single_reduction=True"]
+    assert (single["primal"], single["adjoint"], single["per_step"],
+            single["all_gathers"]) == (1, 2, 1, 0)
 
 
 def test_benchmark_collectives_json(tmp_path):

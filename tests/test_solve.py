@@ -162,7 +162,7 @@ def test_one_sync_matches_cgs2(problem):
     its iteration count within 5% (the rule that made it the default)."""
     from helpers import convection_diffusion
 
-    from solvax.gmres import arnoldi_basis
+    from solvax._gmres import arnoldi_basis
 
     mv = convection_diffusion(10.0) if problem == "convection_diffusion" else poisson_2d
     b = rhs((24, 24))
@@ -197,8 +197,7 @@ def test_gmres_least_squares_without_rotations(dtype):
     """The per-step estimate (left null vector of the Hessenberg matrix) equals
     the least-squares residual of each leading block, and the cycle's QR solve
     equals NumPy's least squares, unused columns contributing nothing."""
-    from solvax._solution import RUNNING
-    from solvax.gmres import _Cycle, _finalize_column, _least_squares
+    from solvax._gmres import _Column, _finalize_column, _least_squares, _start_estimate
 
     rng = np.random.default_rng(3)
     m, beta = 8, 2.5
@@ -209,17 +208,15 @@ def test_gmres_least_squares_without_rotations(dtype):
     H[np.arange(1, m + 1), np.arange(m)] = np.abs(H[np.arange(1, m + 1), np.arange(m)]) + 0.1
     e1 = np.zeros(m + 1, dtype)
     e1[0] = beta
-    cy = _Cycle(V=None, u=None, Z=None, H=jnp.asarray(H), z=jnp.zeros(m + 1, dtype).at[0].set(1),
-                zz=jnp.float64(1), beta=jnp.float64(beta), j=jnp.int32(0), k=jnp.int32(0),
-                anorm=jnp.float64(np.linalg.norm(H)), flag=jnp.int32(RUNNING))
+    est = _start_estimate(jnp.float64(beta), m, dtype)
     for col in range(m):
-        cy, accept, go = _finalize_column(cy, col, jnp.asarray(H[:, col]), H[col + 1, col].real,
-                                          1e-12, 0.0, jnp.bool_(True))
-        assert bool(accept) and bool(go) and int(cy.j) == col + 1
+        column = _Column(jnp.asarray(H[:, col]), H[col + 1, col].real, jnp.bool_(True))
+        est, accept, go = _finalize_column(est, col, column, 1e-12, 0.0)
+        assert bool(accept) and bool(go) and int(est.j) == col + 1
         A = H[: col + 2, : col + 1]
         y = np.linalg.lstsq(A, e1[: col + 2], rcond=None)[0]
         expected = np.linalg.norm(e1[: col + 2] - A @ y)
-        assert np.isclose(beta / np.sqrt(float(cy.zz)), expected, rtol=1e-10)
+        assert np.isclose(beta / np.sqrt(float(est.zz)), expected, rtol=1e-10)
     for j in (3, m):
         y = np.asarray(_least_squares(jnp.asarray(H), beta, j))
         ref = np.linalg.lstsq(H[: j + 1, :j], e1[: j + 1], rcond=None)[0]
@@ -229,18 +226,15 @@ def test_gmres_least_squares_without_rotations(dtype):
 def test_gmres_dependent_column_is_a_breakdown():
     """A Hessenberg column in the range of the earlier ones (and no new
     direction) is rejected: the space is invariant and the operator singular."""
-    from solvax._solution import RUNNING, Status
-    from solvax.gmres import _Cycle, _finalize_column
+    from solvax._gmres import _Column, _finalize_column, _start_estimate
+    from solvax._solution import Status
 
-    H = np.zeros((4, 3))
-    H[:2, 0] = [1.0, 1.0]
-    cy = _Cycle(V=None, u=None, Z=None, H=jnp.asarray(H), z=jnp.zeros(4).at[0].set(1),
-                zz=jnp.float64(1), beta=jnp.float64(1), j=jnp.int32(0), k=jnp.int32(0),
-                anorm=jnp.float64(2.0), flag=jnp.int32(RUNNING))
-    cy, accept, _ = _finalize_column(cy, 0, jnp.asarray(H[:, 0]), 1.0, 1e-12, 0.0, jnp.bool_(True))
+    est = _start_estimate(jnp.float64(1), 3, np.float64)
+    est, accept, _ = _finalize_column(
+        est, 0, _Column(jnp.array([1.0, 1.0, 0.0, 0.0]), 1.0, jnp.bool_(True)), 1e-12, 0.0)
     assert bool(accept)
     # z = (1, -1): a second column (1, 1, 0) has z^H h = 0 and no subdiagonal
-    cy, accept, go = _finalize_column(cy, 1, jnp.array([1.0, 1.0, 0.0, 0.0]), 0.0, 1e-12, 0.0,
-                                      jnp.bool_(True))
-    assert not bool(accept) and not bool(go) and int(cy.j) == 1
-    assert int(cy.flag) == int(Status.BREAKDOWN)
+    est, accept, go = _finalize_column(
+        est, 1, _Column(jnp.array([1.0, 1.0, 0.0, 0.0]), 0.0, jnp.bool_(True)), 1e-12, 0.0)
+    assert not bool(accept) and not bool(go) and int(est.j) == 1
+    assert int(est.flag) == int(Status.BREAKDOWN)

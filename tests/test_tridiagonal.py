@@ -7,7 +7,7 @@ import pytest
 from helpers import rel_err
 
 import solvax as sx
-from solvax.tridiagonal import lax_supports
+from solvax._tridiagonal import lax_supports
 
 METHODS = ["thomas", "lax", "auto"]
 

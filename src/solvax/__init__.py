@@ -1,27 +1,29 @@
 """solvax: differentiable linear solvers that keep every leaf's sharding.
 
 All communication is XLA collectives emitted for inner products, computed in
-one reduction layer; `count_collectives` measures them.
+one reduction layer; `count_collectives` measures them. The modules are
+private (this file re-exports the API); `solvax.distributed` is the public
+multi-process submodule.
 """
 
+from ._cg import pcg as pcg
+from ._cg import pcg_linear_solve as pcg_linear_solve
+from ._comm import CollectiveReport as CollectiveReport
+from ._comm import count_collectives as count_collectives
+from ._gmres import gmres as gmres
+from ._linear_solve import linear_solve as linear_solve
+from ._parallel import shard_batch as shard_batch
+from ._parallel import shard_map as shard_map
+from ._partitioned import partitioned_tridiagonal_solve as partitioned_tridiagonal_solve
+from ._precond import block_jacobi as block_jacobi
+from ._precond import chebyshev as chebyshev
+from ._precond import estimate_spectrum as estimate_spectrum
+from ._precond import jacobi as jacobi
 from ._reduce import InnerProduct as InnerProduct
 from ._solution import Solution as Solution
 from ._solution import Status as Status
-from .cg import pcg as pcg
-from .cg import pcg_linear_solve as pcg_linear_solve
-from .comm import CollectiveReport as CollectiveReport
-from .comm import count_collectives as count_collectives
-from .gmres import gmres as gmres
-from .linear_solve import linear_solve as linear_solve
-from .parallel import shard_batch as shard_batch
-from .parallel import shard_map as shard_map
-from .partitioned import cyclic_tridiagonal_solve as cyclic_tridiagonal_solve
-from .partitioned import partitioned_tridiagonal_solve as partitioned_tridiagonal_solve
-from .precond import block_jacobi as block_jacobi
-from .precond import chebyshev as chebyshev
-from .precond import estimate_spectrum as estimate_spectrum
-from .precond import jacobi as jacobi
-from .tridiagonal import tridiagonal_solve as tridiagonal_solve
+from ._tridiagonal import cyclic_tridiagonal_solve
+from ._tridiagonal import tridiagonal_solve as tridiagonal_solve
 
 __version__ = "0.1.0"
 

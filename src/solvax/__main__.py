@@ -1,5 +1,7 @@
-"""`python -m solvax`: the communication table, measured live on 8 emulated CPU devices."""
+"""`python -m solvax [--json PATH]`: the communication table, measured live on 8
+emulated CPU devices (and written as JSON with `--json`)."""
 
+import argparse
 import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -15,12 +17,18 @@ from solvax import _table  # noqa: E402
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m solvax", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = parser.parse_args()
     devices = min(8, len(jax.devices()))
     print(f"solvax communication table: jax {jax.__version__}, {devices} "
           f"{jax.devices()[0].platform.upper()} devices, 1-D mesh axis 'i'")
     print(_table.MEANING)
     print()
-    print(_table.format_table(_table.measure(devices)))
+    rows = _table.measure(devices)
+    print(_table.format_table(rows))
+    if args.json:
+        _table.write_json(rows, args.json)
 
 
 if __name__ == "__main__":

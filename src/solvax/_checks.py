@@ -57,12 +57,6 @@ def check_callable(name: str, fn) -> None:
         raise TypeError(f"`{name}` must be a function of a vector; got {type(fn).__name__}.")
 
 
-def check_operator(name: str, fn, b: PyTree) -> None:
-    """`fn(b)` (a matvec or preconditioner) returns a pytree shaped like `b`."""
-    check_callable(name, fn)
-    check_like(f"{name}(b)", jax.eval_shape(fn, b), "b", b)
-
-
 def check_tolerance(name: str, value) -> None:
     """A tolerance is a non-negative real number (checked when concrete)."""
     if isinstance(value, jax.core.Tracer):
@@ -94,14 +88,3 @@ def is_real(tree: PyTree) -> bool:
     return all(not jnp.issubdtype(leaf.dtype, jnp.complexfloating)
                for leaf in jax.tree_util.tree_leaves(tree))
 
-
-def check_solver_inputs(matvec, b, x0, precond, rtol, atol) -> None:
-    """The checks every Krylov solver makes at its boundary."""
-    check_vector("b", b)
-    check_callable("matvec", matvec)  # its output is checked by `closed_operator`
-    if x0 is not None:
-        check_like("x0", x0, "b", b)
-    if precond is not None:
-        check_callable("precond", precond)  # its output is checked by `krylov_solve`
-    check_tolerance("rtol", rtol)
-    check_tolerance("atol", atol)

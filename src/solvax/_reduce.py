@@ -7,10 +7,16 @@ per-leaf partial products along a new leading axis before the single global
 sum, so a step costs one reduction of a k-vector by construction (one
 all-reduce under `jit`, one `lax.psum` inside `shard_map`), independent of
 whether XLA's all-reduce combiner would have merged separate sums.
+
+Every kind of inner product derives from `Reduction`, whose only primitives
+are the two batched reductions `multi_dot` and `project_many`; `project`,
+`project_with_norm`, `dot` and `norm` are defined once, in the base, from
+them. So no kind can silently fall back to another's products.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,8 +35,47 @@ Pair = tuple[PyTree, PyTree]
 MERGES_ALL_REDUCES = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 7)
 
 
+class Reduction(abc.ABC):
+    """An inner product `<x, y>` on pytrees, evaluated in batched reductions.
+
+    Subclasses implement the two primitives; each call of one is one global
+    reduction (one synchronization point of a solver step).
+    """
+
+    @abc.abstractmethod
+    def multi_dot(self, pairs: Sequence[Pair]) -> jax.Array:
+        """`[<x_1, y_1>, ..., <x_k, y_k>]` in one reduction."""
+
+    @abc.abstractmethod
+    def project_many(self, basis: PyTree, xs: Sequence[PyTree],
+                     pairs: Sequence[Pair] = ()) -> tuple[jax.Array, jax.Array]:
+        """`([V^H x for x in xs], [<x, y> for x, y in pairs])`, shapes
+        `(len(xs), m)` and `(len(pairs),)`, in one reduction; `basis` has
+        leaves `(m, *leaf.shape)`."""
+
+    @abc.abstractmethod
+    def closed(self, like: PyTree) -> Reduction:
+        """This inner product with every traced value it reads a pytree leaf."""
+
+    # -- derived from the primitives, for every kind alike ----------------------
+    def project(self, basis: PyTree, x: PyTree) -> jax.Array:
+        """`V^H x` (length m) in one reduction."""
+        return self.project_many(basis, [x])[0][0]
+
+    def project_with_norm(self, basis: PyTree, x: PyTree) -> tuple[jax.Array, jax.Array]:
+        """`(V^H x, <x, x>)` in one reduction."""
+        projections, products = self.project_many(basis, [x], [(x, x)])
+        return projections[0], products[0]
+
+    def dot(self, x: PyTree, y: PyTree) -> jax.Array:
+        return self.multi_dot([(x, y)])[0]
+
+    def norm(self, x: PyTree) -> jax.Array:
+        return real_sqrt(self.dot(x, x))
+
+
 @jax.tree_util.register_pytree_node_class
-class InnerProduct:
+class InnerProduct(Reduction):
     """The inner product `<x, y> = sum_leaves sum(conj(x) * weight * y)`.
 
     Args:
@@ -58,10 +103,8 @@ class InnerProduct:
         return cls(axis_name=axis_name, weight=children[0])
 
     def closed(self, like: PyTree) -> InnerProduct:
-        """This inner product with every traced value it reads a pytree leaf."""
         return self
 
-    # -- the single reduction -------------------------------------------------
     def _global_sum(self, partials: list[jax.Array]) -> jax.Array:
         """Add the per-leaf partial k-vectors (or k x m blocks) and reduce them once."""
         total = partials[0]
@@ -71,30 +114,23 @@ class InnerProduct:
             total = lax.psum(total, self.axis_name)
         return total
 
-    def _weighted(self, y: PyTree) -> PyTree:
-        if self.weight is None:
-            return y
-        return jax.tree_util.tree_map(lambda w, v: w * v, self.weight, y)
-
-    def _leaves(self, x: PyTree) -> list[jax.Array]:
+    def _leaves(self, x: PyTree, weighted: bool = False) -> list[jax.Array]:
+        if weighted and self.weight is not None:
+            x = jax.tree_util.tree_map(lambda w, v: w * v, self.weight, x)
         return jax.tree_util.tree_leaves(x)
 
-    # -- public ----------------------------------------------------------------
-    def multi_dot(self, pairs: Sequence[Pair]) -> jax.Array:
-        """`[<x_1, y_1>, ..., <x_k, y_k>]` in one reduction."""
+    def _pair_leaves(self, pairs: Sequence[Pair]) -> list[list[jax.Array]]:
+        """Per leaf, the elementwise products `conj(x) * weight * y` of every pair."""
         xs = [self._leaves(x) for x, _ in pairs]
-        ys = [self._leaves(self._weighted(y)) for _, y in pairs]
-        partials = []
-        for leaf in range(len(xs[0])):
-            # The k products stacked on a new leading axis: one sum over the
-            # vector axes, hence one reduction of a k-vector by construction.
-            stacked = jnp.stack([jnp.conj(x[leaf]) * y[leaf] for x, y in zip(xs, ys)])
-            partials.append(jnp.sum(stacked, axis=tuple(range(1, stacked.ndim))))
-        return self._global_sum(partials)
+        ys = [self._leaves(y, weighted=True) for _, y in pairs]
+        return [[jnp.conj(x[leaf]) * y[leaf] for x, y in zip(xs, ys)]
+                for leaf in range(len(xs[0]))]
 
-    def project(self, basis: PyTree, x: PyTree) -> jax.Array:
-        """`V^H x` (length m) in one reduction; `basis` has leaves `(m, *leaf.shape)`."""
-        return self.project_many(basis, [x])[0]
+    def multi_dot(self, pairs: Sequence[Pair]) -> jax.Array:
+        # The k products stacked on a new leading axis: one sum over the vector
+        # axes, hence one reduction of a k-vector by construction.
+        return self._global_sum([_sum_vector_axes(jnp.stack(products))
+                                 for products in self._pair_leaves(pairs)])
 
     def _separate_kernels(self) -> bool:
         """Whether the products of one step may run as separate fast kernels.
@@ -103,68 +139,46 @@ class InnerProduct:
         before the one `psum`, so always. Under `jit` each separate contraction
         gets its own all-reduce from the partitioner, which only XLA's
         all-reduce combiner merges back into one: so only where it does
-        (`MERGES_ALL_REDUCES`); elsewhere the block forms below guarantee one
+        (`MERGES_ALL_REDUCES`); elsewhere the stacked forms guarantee one
         reduction by construction, at a speed cost on the CPU.
         """
         return self.axis_name is not None or MERGES_ALL_REDUCES
 
-    def project_many(self, basis: PyTree, xs: Sequence[PyTree]) -> jax.Array:
-        """`[V^H x for x in xs]`, shape `(len(xs), m)`, in one reduction.
-
-        Per leaf, contractions over the vector axes (`dot_general`: the
+    def project_many(self, basis, xs, pairs=()):
+        """Per leaf, contractions over the vector axes (`dot_general`: the
         partitioner reduces a sharded contracting axis with one all-reduce, and
         on one device it is a BLAS GEMV), conjugating the vectors rather than
         the basis: `V^H x = conj(V^T conj(x))`. With separate kernels, one GEMV
         per vector (XLA's CPU GEMM with two right-hand columns is 3x slower
-        than two GEMVs); otherwise one contraction with the vectors stacked.
-        """
+        than two GEMVs; `docs/krylov.md`) and one sum per pair; otherwise one
+        contraction with the vectors stacked, or, with pairs, every product
+        stacked elementwise before one sum."""
         vs = self._leaves(basis)
-        xls = [self._leaves(self._weighted(x)) for x in xs]
+        xls = [self._leaves(x, weighted=True) for x in xs]
+        products = self._pair_leaves(pairs) if pairs else [[] for _ in vs]
+        m, count = len(jax.tree_util.tree_leaves(basis)[0]), len(xs)
         partials = []
         for leaf, v in enumerate(vs):
+            conj_xs = [jnp.conj(xl[leaf]) for xl in xls]
             if self._separate_kernels():
-                partials.append(jnp.stack([_basis_times(v, jnp.conj(xl[leaf]))
-                                           for xl in xls]).T)
-            else:  # (m, *shape) . (*shape, s) -> (m, s)
-                partials.append(_basis_times(v, jnp.stack([jnp.conj(xl[leaf]) for xl in xls],
-                                                          axis=-1)))
-        return jnp.conj(self._global_sum(partials)).T
-
-    def project_with_norm(self, basis: PyTree, x: PyTree) -> tuple[jax.Array, jax.Array]:
-        """`(V^H x, <x, x>)` in one reduction.
-
-        With separate kernels, a GEMV and a squared norm per leaf; otherwise the
-        products are stacked elementwise before one sum (one reduction by
-        construction, slower)."""
-        vs = self._leaves(basis)
-        xs = self._leaves(x)
-        xws = self._leaves(self._weighted(x))
-        partials = []
-        for v, xl, xw in zip(vs, xs, xws):
-            if self._separate_kernels():
-                projection = jnp.conj(_basis_times(v, jnp.conj(xw)))
-                partials.append(jnp.concatenate([projection, jnp.sum(jnp.conj(xl) * xw)[None]],
-                                                axis=0))  # the small result vectors
-            else:
-                stacked = jnp.concatenate([jnp.conj(v) * xw[None], (jnp.conj(xl) * xw)[None]],
-                                          axis=0)  # along the small leading (stacking) axis
-                partials.append(jnp.sum(stacked, axis=tuple(range(1, stacked.ndim))))
+                blocks = [_basis_times(v, cx) for cx in conj_xs]
+                blocks += [jnp.sum(p)[None] for p in products[leaf]]
+                partials.append(jnp.concatenate(blocks, axis=0))  # the small result vectors
+            elif not pairs:  # (m, *shape) . (*shape, s) -> (m, s)
+                partials.append(_basis_times(v, jnp.stack(conj_xs, axis=-1)).T.reshape(m * count))
+            else:  # along the small leading (stacking) axis
+                stacked = jnp.concatenate([v * cx[None] for cx in conj_xs]
+                                          + [p[None] for p in products[leaf]], axis=0)
+                partials.append(_sum_vector_axes(stacked))
         total = self._global_sum(partials)
-        return total[:-1], total[-1]
-
-    def dot(self, x: PyTree, y: PyTree) -> jax.Array:
-        return self.multi_dot([(x, y)])[0]
-
-    def norm(self, x: PyTree) -> jax.Array:
-        return real_sqrt(self.dot(x, x))
+        return jnp.conj(total[: m * count]).reshape(count, m), total[m * count:]
 
 
 @jax.tree_util.register_pytree_node_class
-class _CallableInnerProduct(InnerProduct):
+class _CallableInnerProduct(Reduction):
     """Wraps a user function `(x, y) -> scalar`; each product is its own reduction."""
 
     def __init__(self, fn: Callable[[PyTree, PyTree], jax.Array]):
-        super().__init__()
         self.fn = fn
 
     def __repr__(self) -> str:
@@ -177,15 +191,22 @@ class _CallableInnerProduct(InnerProduct):
     def tree_unflatten(cls, _, children):
         return cls(children[0])
 
-    def closed(self, like: PyTree) -> InnerProduct:
+    def closed(self, like: PyTree) -> Reduction:
         return _CallableInnerProduct(close(self.fn, like, like))
 
     def multi_dot(self, pairs):
         return jnp.stack([jnp.asarray(self.fn(x, y)) for x, y in pairs])
 
-    def project_many(self, basis, xs):
-        return jnp.stack([jax.vmap(lambda v, x=x: jnp.asarray(self.fn(v, x)))(basis)
-                          for x in xs])
+    def project_many(self, basis, xs, pairs=()):
+        projections = jnp.stack([jax.vmap(lambda v, x=x: jnp.asarray(self.fn(v, x)))(basis)
+                                 for x in xs])
+        products = self.multi_dot(pairs) if pairs else jnp.zeros((0,), projections.dtype)
+        return projections, products
+
+
+def _sum_vector_axes(stacked: jax.Array) -> jax.Array:
+    """Sum over every axis but the leading (stacking) one."""
+    return jnp.sum(stacked, axis=tuple(range(1, stacked.ndim)))
 
 
 def _basis_times(v: jax.Array, x: jax.Array) -> jax.Array:
@@ -200,8 +221,8 @@ def real_sqrt(value: jax.Array) -> jax.Array:
     return jnp.sqrt(jnp.maximum(jnp.real(value), 0))
 
 
-def resolve(inner_product=None, axis_name=None) -> InnerProduct:
-    """The `InnerProduct` a solver uses for its `inner_product=` / `axis_name=` options."""
+def resolve(inner_product=None, axis_name=None) -> Reduction:
+    """The inner product a solver uses for its `inner_product=` / `axis_name=` options."""
     if inner_product is None:
         return InnerProduct(axis_name=axis_name)
     if axis_name is not None:
@@ -219,4 +240,4 @@ def resolve(inner_product=None, axis_name=None) -> InnerProduct:
     )
 
 
-__all__ = ["InnerProduct", "resolve", "real_sqrt"]
+__all__ = ["InnerProduct", "Reduction", "resolve", "real_sqrt"]

@@ -9,6 +9,7 @@ primal returns `x` (diagnostics, when used, add one reduction after the loop).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 
 import jax
@@ -17,13 +18,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .cg import pcg
-from .comm import count_collectives
-from .gmres import gmres
-from .linear_solve import linear_solve
-from .parallel import shard_map
-from .partitioned import cyclic_tridiagonal_solve, partitioned_tridiagonal_solve
-from .tridiagonal import tridiagonal_solve
+from ._cg import pcg
+from ._comm import count_collectives
+from ._gmres import gmres
+from ._linear_solve import linear_solve
+from ._parallel import shard_map
+from ._partitioned import partitioned_tridiagonal_solve
+from ._tridiagonal import cyclic_tridiagonal_solve, tridiagonal_solve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +147,13 @@ def format_table(rows: list[Row]) -> str:
     width = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     fmt = lambda line: "  ".join(c.ljust(w) for c, w in zip(line, width)).rstrip()  # noqa: E731
     return "\n".join([fmt(header), fmt(tuple("-" * w for w in width))] + [fmt(b) for b in body])
+
+
+def write_json(rows: list[Row], path: str) -> None:
+    """The rows (and the JAX version) as JSON: what the tests and benchmarks read."""
+    with open(path, "w") as f:
+        json.dump({"jax": jax.__version__, "rows": [dataclasses.asdict(r) for r in rows]}, f,
+                  indent=2)
 
 
 MEANING = ("Collective instructions in the optimized HLO (async pairs once): 'primal' = the "

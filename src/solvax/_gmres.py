@@ -1,4 +1,4 @@
-"""Restarted flexible GMRES on pytrees."""
+"""Restarted flexible GMRES on pytrees: one Arnoldi step function per orthogonalization."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import numpy as np
 from jax import lax
 from jax.scipy.linalg import solve_triangular
 
-from . import _checks, _reduce
+from . import _checks, _driver, _reduce
 from . import _tree as tree
-from ._solution import RUNNING, Solution, Status, code, first_status, make_solution
-from .linear_solve import krylov_solve
+from ._driver import Outcome, Problem
+from ._solution import RUNNING, Solution, Status, code, first_status
 
 PyTree = Any
 
@@ -24,21 +24,43 @@ PyTree = Any
 ORTHOGONALIZATIONS = ("cgs2", "one_sync")
 
 
-class _Cycle(NamedTuple):
-    """One Arnoldi cycle: basis, Hessenberg matrix and residual estimate."""
+class _Estimate(NamedTuple):
+    """A cycle's least-squares residual estimate, kept without Givens rotations
+    (see `_finalize_column`); built by `_start_estimate`."""
 
-    V: PyTree  # (m + 1, ...) orthonormal basis; one_sync: (m + 2, ...), row k pending
-    u: PyTree | None  # one_sync: the pending row k of V, also kept apart (see below)
-    Z: PyTree  # (m, ...) preconditioned directions (None without a preconditioner)
-    H: jax.Array  # the Hessenberg matrix (m + 1, m); in a one-sync loop (m + 2, m + 2),
-    #               column i stored at i + 1 (see `_arnoldi`)
-    z: jax.Array  # (m + 1,) left null vector of the accepted columns (see _finalize_column)
+    z: jax.Array  # (m + 1,) left null vector of the accepted columns
     zz: jax.Array  # ||z||^2
     beta: jax.Array  # ||r|| at the start of the cycle
     j: jax.Array  # accepted (final) Hessenberg columns
+    flag: jax.Array  # RUNNING, or why the cycle ended
+
+
+class _Column(NamedTuple):
+    """A final Hessenberg column: `h[:col + 1]`, its subdiagonal and whether
+    it (and whatever else its step reduced) is finite."""
+
+    h: jax.Array
+    hnext: jax.Array
+    finite: jax.Array
+
+
+class _Cgs2Cycle(NamedTuple):
+    V: PyTree  # (m + 1, ...) orthonormal basis
+    Z: PyTree | None  # (m, ...) preconditioned directions (None without a preconditioner)
+    H: jax.Array  # (m + 1, m) Hessenberg matrix
+    est: _Estimate
     k: jax.Array  # Arnoldi steps (matvecs) of this cycle
     anorm: jax.Array  # running estimate of ||A M|| (max ||A M v|| / ||v||)
-    flag: jax.Array  # RUNNING, or why the cycle ended
+
+
+class _OneSyncCycle(NamedTuple):
+    V: PyTree  # (m + 2, ...) basis; row k is the pending direction u
+    u: PyTree  # the pending row k of V, also kept apart (see `_one_sync_step`)
+    Z: PyTree | None  # (m + 1, ...)
+    H: jax.Array  # (m + 2, m + 2); column i stored at i + 1 (see `_arnoldi`)
+    est: _Estimate
+    k: jax.Array
+    anorm: jax.Array
 
 
 class _Outer(NamedTuple):
@@ -53,16 +75,23 @@ class _Outer(NamedTuple):
     history: jax.Array | None  # residual norm per accepted step (if recorded)
 
 
-def _record(history, offset, cy: _Cycle):
+def _start_estimate(beta, m: int, dtype, go=True) -> _Estimate:
+    """The estimate before any column: `z = e_0`, running unless `go` is false."""
+    return _Estimate(z=jnp.zeros((m + 1,), dtype).at[0].set(1),
+                     zz=jnp.ones((), jnp.finfo(dtype).dtype), beta=beta, j=jnp.int32(0),
+                     flag=first_status([(go, RUNNING)], Status.MAX_STEPS))
+
+
+def _record(history, offset, est: _Estimate):
     """Write the cycle's `beta` (the true residual) at `offset` and its
     estimates `beta / ||z[:i + 2]||` after it (one per accepted column `i`)."""
     if history is None:
         return None
-    m = cy.z.shape[0] - 1
-    estimates = cy.beta / jnp.sqrt(jnp.cumsum(jnp.abs(cy.z) ** 2))[1:]
+    m = est.z.shape[0] - 1
+    estimates = est.beta / jnp.sqrt(jnp.cumsum(jnp.abs(est.z) ** 2))[1:]
     old = lax.dynamic_slice(history, (offset + 1,), (m,))
-    new = jnp.where(np.arange(m) < cy.j, estimates.astype(history.dtype), old)
-    return lax.dynamic_update_slice(history.at[offset].set(cy.beta), new, (offset + 1,))
+    new = jnp.where(np.arange(m) < est.j, estimates.astype(history.dtype), old)
+    return lax.dynamic_update_slice(history.at[offset].set(est.beta), new, (offset + 1,))
 
 
 # The traced indices below are never negative (an index past either end is
@@ -85,9 +114,9 @@ def _put(x, i, value, axis=0):
                                            **_NO_WRAP)
 
 
-def _finalize_column(cy: _Cycle, col, h, hnext, scale, tol, finite, enabled=True):
-    """Take the final Hessenberg column `col` (`h[:col+1]`, subdiagonal `hnext`)
-    into the residual estimate and decide whether the cycle goes on.
+def _finalize_column(est: _Estimate, col, column: _Column, scale, tol):
+    """Take the final Hessenberg column `col` into the residual estimate and
+    decide whether the cycle goes on.
 
     No Givens rotations: the least-squares residual after columns `0..col` is
     `beta / ||z||` for the left null vector `z` of those columns (`z^H H = 0`,
@@ -97,38 +126,32 @@ def _finalize_column(cy: _Cycle, col, h, hnext, scale, tol, finite, enabled=True
     rotated diagonal. The solution comes from one QR at the end of the cycle
     (`_least_squares`). Per Arnoldi step this is one short dot product and a
     few scalars, where rotations kept four small arrays up to date (and XLA
-    compiled a kernel for each).
+    compiled a kernel for each). `scale` is the size below which a diagonal
+    or subdiagonal counts as zero.
 
-    `finite`: the column (and whatever else the step reduced) is finite. With
-    `enabled` false (a step with no column to finish) only `finite` counts.
-
-    Returns the cycle, whether the column was accepted, and whether the cycle
-    extends its basis (accepted, and the space not invariant). Both are
+    Returns the estimate, whether the column was accepted, and whether the
+    cycle extends its basis (accepted, and the space not invariant). Both are
     comparisons of the column's scalars; the flag (why a cycle ends) is a
     chain of its own that only the loop test reads, so XLA does not compile it
     into every update that depends on the step's outcome.
     """
-    enabled = jnp.asarray(enabled)
-    t = jnp.sum(jnp.conj(cy.z) * h[: cy.z.shape[0]])  # z^H h; z is zero beyond col
-    rjj = jnp.sqrt(jnp.abs(t) ** 2 / cy.zz + hnext * hnext)
+    h, hnext, finite = column
+    t = jnp.sum(jnp.conj(est.z) * h[: est.z.shape[0]])  # z^H h; z is zero beyond col
+    rjj = jnp.sqrt(jnp.abs(t) ** 2 / est.zz + hnext * hnext)
     z_next = -jnp.conj(t) / hnext  # infinite for an exactly invariant space
-    zz = cy.zz + jnp.abs(z_next) ** 2
-    estimate = cy.beta / jnp.sqrt(zz)
-    independent = finite & (scale < rjj)  # else the column adds nothing: A is singular here
-    accept = enabled & independent
-    go = jnp.where(enabled, independent & (scale < hnext), finite)  # else the space is invariant
+    zz = est.zz + jnp.abs(z_next) ** 2
+    estimate = est.beta / jnp.sqrt(zz)
+    accept = finite & (scale < rjj)  # else the column adds nothing: A is singular here
+    go = accept & (scale < hnext)  # else the space is invariant
     # z and ||z||^2 take a rejected column too: the cycle ends with it, and only
     # entries up to `j` are read afterwards (no mask on the accept chain).
-    cy = cy._replace(
-        z=jnp.where(enabled, _put(cy.z, col + 1, z_next), cy.z),
-        zz=jnp.where(enabled, zz, cy.zz),
-        j=cy.j + accept.astype(jnp.int32),
-        flag=first_status([(go & (~enabled | (tol < estimate)), RUNNING),
-                           (~finite, Status.NONFINITE),
-                           (independent & (estimate <= tol), Status.CONVERGED)],
-                          Status.BREAKDOWN),
-    )
-    return cy, accept, go
+    est = est._replace(z=_put(est.z, col + 1, z_next), zz=zz,
+                       j=est.j + accept.astype(jnp.int32),
+                       flag=first_status([(go & (tol < estimate), RUNNING),
+                                          (~finite, Status.NONFINITE),
+                                          (accept & (estimate <= tol), Status.CONVERGED)],
+                                         Status.BREAKDOWN))
+    return est, accept, go
 
 
 def _least_squares(H, beta, j):
@@ -150,23 +173,37 @@ def _least_squares(H, beta, j):
     return jnp.where(np.arange(m) < j, y, 0)
 
 
-def _cgs2_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
+class _Context(NamedTuple):
+    """What an Arnoldi step reads besides its cycle (all from the `Problem`)."""
+
+    A: Callable
+    precond: Callable | None
+    ip: _reduce.Reduction
+    tol: jax.Array
+    tiny: float  # relative size of a negligible column entry (100 eps)
+
+
+def _apply(ctx: _Context, v):
+    """`(M v, A M v)`, named for profiles."""
+    with jax.named_scope("solvax.gmres.precond"):
+        z = ctx.precond(v) if ctx.precond is not None else v
+    with jax.named_scope("solvax.gmres.matvec"):
+        return z, ctx.A(z)
+
+
+def _cgs2_step(cy: _Cgs2Cycle, ctx: _Context) -> _Cgs2Cycle:
     """Extend the basis by one vector with CGS2: two reductions. The first pass
     is a plain projection; the second returns the squared norm with it, and the
     new norm follows by Pythagoras (the correction is already O(eps), so there
     is no cancellation)."""
-    j = cy.j
+    j = cy.est.j
     m = cy.H.shape[1]
-    v = tree.basis_get(cy.V, j)
-    with jax.named_scope("solvax.gmres.precond"):
-        z = precond(v) if precond is not None else v
-    with jax.named_scope("solvax.gmres.matvec"):
-        w = matvec(z)
+    z, w = _apply(ctx, tree.basis_get(cy.V, j))
     active = np.arange(m + 1) <= j
     with jax.named_scope("solvax.gmres.orthogonalize"):
-        h1 = jnp.where(active, ip.project(cy.V, w), 0)
+        h1 = jnp.where(active, ctx.ip.project(cy.V, w), 0)
         w = tree.sub(w, tree.basis_combine(cy.V, h1))
-        h2, ww = ip.project_with_norm(cy.V, w)
+        h2, ww = ctx.ip.project_with_norm(cy.V, w)
         h2 = jnp.where(active, h2, 0)
         w = tree.sub(w, tree.basis_combine(cy.V, h2))
     h = h1 + h2
@@ -174,179 +211,205 @@ def _cgs2_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
     # Columns of H represent A M on unit vectors: ||A M|| >= ||A z_j|| = ||(h, hnext)||.
     anorm = jnp.maximum(cy.anorm, jnp.sqrt(jnp.sum(jnp.abs(h) ** 2) + hnext ** 2))
     finite = jnp.all(jnp.isfinite(h)) & jnp.isfinite(hnext)
-    cy, accept, keep = _finalize_column(cy._replace(anorm=anorm), j, h, hnext,
-                                        tiny * anorm, tol, finite)
+    est, accept, keep = _finalize_column(cy.est, j, _Column(h, hnext, finite),
+                                         ctx.tiny * anorm, ctx.tol)
     v_next = tree.scale(1.0 / jnp.where(keep, hnext, 1.0), w)
     return cy._replace(
         V=tree.basis_fill(cy.V, j + 1, [v_next], keep),
         Z=None if cy.Z is None else tree.basis_fill(cy.Z, j, [z], accept),
         # (a rejected column is written too: it lies beyond the accepted ones)
         H=_put(cy.H, j, _put(h, j + 1, hnext), axis=1),
-        k=cy.k + 1,
+        est=est, k=cy.k + 1, anorm=anorm,
     )
 
 
-def _one_sync_step(cy: _Cycle, *, matvec, precond, ip, tol, tiny):
-    """One reduction per Arnoldi step: CGS2 with the second pass delayed by one
-    step (in the spirit of DCGS2, Bielich et al. 2022).
+def _finish_pending(cy: _OneSyncCycle, ctx: _Context, a, finite):
+    """One-sync's first half: `c = Q^H u`, `nu^2 = <u, u> - |c|^2` finish
+    column `k - 1` (`+ c`, subdiagonal `nu`) from the projections `a = V^H u`.
 
-    Row `k` of the basis holds `u`, the new direction after one CGS pass, not yet
-    re-orthogonalized nor normalized. One projection of `u` and `w = A M u` on
-    the basis gives `Q^H u`, `<u, u>`, `Q^H w` and `<u, w>`. Then `c = Q^H u`,
-    `nu^2 = <u, u> - |c|^2` finish `q_k = (u - Q c) / nu` and Hessenberg column `k - 1` (`+ c`,
-    subdiagonal `nu`); since `A z_k = (w - Q H c) / nu` by the Arnoldi
-    relation, its projections follow from the reduced values without touching
-    `w` again: `h = (Q^H w - H c) / nu`, and the next pending vector is
-    `u' = (w - Q (Q^H w)) / nu`. Column `k - 1` is final one step later, so the
-    residual estimate lags one matvec behind CGS2's.
+    Returns `(c, nu, the finished column, its stored old value, anorm,
+    estimate, go)`. At `k = 0` no column is finished (the first step only
+    normalizes the residual): `c = 0` and the estimate stays as it was.
     """
     k = cy.k
-    rows = cy.H.shape[0]  # m + 2
-    m = rows - 2
-    # The pending vector is row k of V (so the one projection also gives <u, u>
-    # and <u, w>) and is kept apart as well: the updates of rows k and k + 1 read
-    # it from there, not from V, so XLA writes them in place (were u sliced from V
-    # inside them, each step would copy the whole basis).
-    u = cy.u
-    with jax.named_scope("solvax.gmres.precond"):
-        mu = precond(u) if precond is not None else u
-    with jax.named_scope("solvax.gmres.matvec"):
-        w = matvec(mu)
-    with jax.named_scope("solvax.gmres.orthogonalize"):
-        projections = ip.project_many(cy.V, [u, w])
-    a, bw = projections
-    finished = np.arange(rows) < k
+    finished = np.arange(cy.H.shape[0]) < k
     c = jnp.where(finished, a, 0)
-    uu = jnp.real(_get(a, k))
-    nu = _reduce.real_sqrt(uu - jnp.sum(jnp.abs(c) ** 2))
-    finite = jnp.all(jnp.isfinite(projections))
-
-    # Finish column k - 1 (stored at column k; at k = 0 that is the unused
-    # column 0, c = 0 and `_finalize_column` is disabled, so what index k - 1 = -1
-    # reads does not matter).
+    nu = _reduce.real_sqrt(jnp.real(_get(a, k)) - jnp.sum(jnp.abs(c) ** 2))
+    # Column k - 1 is stored at column k (at k = 0 the unused column 0).
     column = _get(cy.H, k, axis=1)
     finished_col = _put(column + c, k, nu)
     # Columns of H represent A M on unit vectors: ||A M|| >= ||H[:, k - 1]||.
     anorm = jnp.maximum(cy.anorm, jnp.where(
         k > 0, jnp.sqrt(jnp.sum(jnp.abs(finished_col) ** 2)), 0))
-    cy, _, go = _finalize_column(cy._replace(anorm=anorm), k - 1, finished_col,
-                                 nu, tiny * anorm, tol, finite, enabled=k > 0)
+    est, _, go = _finalize_column(cy.est, k - 1, _Column(finished_col, nu, finite),
+                                  ctx.tiny * anorm, ctx.tol)
+    first = k == 0
+    est = est._replace(z=jnp.where(first, cy.est.z, est.z), zz=jnp.where(first, cy.est.zz, est.zz),
+                       j=jnp.where(first, cy.est.j, est.j),
+                       flag=jnp.where(first, first_status([(finite, RUNNING)], Status.NONFINITE),
+                                      est.flag))
+    return c, nu, finished_col, column, anorm, est, jnp.where(first, finite, go)
+
+
+def _one_sync_step(cy: _OneSyncCycle, ctx: _Context) -> _OneSyncCycle:
+    """One reduction per Arnoldi step: CGS2 with the second pass delayed by one
+    step (in the spirit of DCGS2, Bielich et al. 2022).
+
+    Row `k` of the basis holds `u`, the new direction after one CGS pass, not yet
+    re-orthogonalized nor normalized. One projection of `u` and `w = A M u` on
+    the basis gives `Q^H u`, `<u, u>`, `Q^H w` and `<u, w>`; `_finish_pending`
+    turns the first two into `q_k = (u - Q c) / nu` and the final column
+    `k - 1`. Since `A z_k = (w - Q H c) / nu` by the Arnoldi relation, the
+    projections of the new column follow from the reduced values without
+    touching `w` again: `h = (Q^H w - H c) / nu`, and the next pending vector
+    is `u' = (w - Q (Q^H w)) / nu`. Column `k - 1` is final one step later, so
+    the residual estimate lags one matvec behind CGS2's.
+    """
+    k = cy.k
+    # u is kept apart from row k of V: the updates of rows k and k + 1 read it from
+    # there, so XLA writes them in place (sliced from V, each step copied the basis).
+    mu, w = _apply(ctx, cy.u)
+    with jax.named_scope("solvax.gmres.orthogonalize"):
+        projections, _ = ctx.ip.project_many(cy.V, [cy.u, w])
+    a, bw = projections
+    finite = jnp.all(jnp.isfinite(projections))
+    c, nu, finished_col, column, anorm, est, go = _finish_pending(cy, ctx, a, finite)
     # Divisions by nu need no guard: if nu is 0 or not finite, go is false and
     # nothing computed from them is kept.
 
     # q_k, z_k and the first pass of the next direction. Both combinations read
     # the basis before row k changes, in one pass: Q (Q^H w) = V qw_old + qw[k] q,
     # where qw_old has no entry at row k (still u).
-    qw_old = jnp.where(finished, bw, 0)
+    qw_old = jnp.where(np.arange(cy.H.shape[0]) < k, bw, 0)
     qk_w = (_get(bw, k) - jnp.sum(jnp.conj(c) * bw)) / nu  # <q_k, w>
-    qw = _put(qw_old, k, qk_w)
     Vc, Vqw = tree.basis_combine_many(cy.V, [c, qw_old])
-    q = tree.scale(1.0 / nu, tree.sub(u, Vc))
+    q = tree.scale(1.0 / nu, tree.sub(cy.u, Vc))
     u_next = tree.scale(1.0 / nu, tree.sub(tree.sub(w, Vqw), tree.scale(qk_w, q)))
     Z = cy.Z
     if Z is not None:
         Z = tree.basis_fill(Z, k, [tree.scale(1.0 / nu, tree.sub(
-            mu, tree.basis_combine(Z, c[: m + 1])))], go)
+            mu, tree.basis_combine(Z, c[: cy.H.shape[0] - 1])))], go)
     # H[:, :k] c[:k], the finished column k - 1 included: the stored columns
     # 1..k (k still unfinished there) times c (shifted with them), plus the
     # finishing update times c[k - 1] (at k = 0, c = 0 wherever the index lands).
     Hc = cy.H @ jnp.pad(c[:-1], (1, 0)) + (finished_col - column) * _get(c, k - 1)
-    h_next = (qw - Hc) / nu
-    both = jnp.stack([finished_col, h_next], axis=1)
-    return cy._replace(
-        V=tree.basis_fill(cy.V, k, [q, u_next], go),
-        u=u_next,
-        Z=Z,
-        # columns k - 1 and k (stored at k, k + 1) in one update; the new column
-        # is read only once accepted, so it needs no mask
-        H=lax.dynamic_update_slice(cy.H, both, (jnp.zeros_like(k), k)),
-        k=k + 1,
-    )
+    h_next = (_put(qw_old, k, qk_w) - Hc) / nu
+    # columns k - 1 and k (stored at k, k + 1) in one update; the new column is
+    # read only once accepted, so it needs no mask
+    H = lax.dynamic_update_slice(cy.H, jnp.stack([finished_col, h_next], axis=1),
+                                 (jnp.zeros_like(k), k))
+    return cy._replace(V=tree.basis_fill(cy.V, k, [q, u_next], go), u=u_next, Z=Z, H=H,
+                       est=est, k=k + 1, anorm=anorm)
 
 
-def _arnoldi(matvec, b, *, precond, ip, m, orthogonalization):
-    """`run(r, beta, tol, anorm, go) -> _Cycle`: one Arnoldi cycle from `r`, `||r|| = beta`,
-    stopping early at `tol` (or not at all if `go` is false)."""
+
+def _new_cycle(one_sync: bool, V, Z, r, beta, anorm, go, m: int, dtype):
+    """A cycle from the residual `r`, `||r|| = beta`: the factory of both cycle types.
+
+    One-sync: `r` is the pending row 0, which the first step normalizes
+    (`c = 0`, `nu = ||r||`); CGS2 starts from `r / beta`."""
+    est = _start_estimate(beta, m, dtype, go)
+    if one_sync:
+        return _OneSyncCycle(V=tree.basis_set(V, 0, r), u=r, Z=Z,
+                             H=jnp.zeros((m + 2, m + 2), dtype), est=est, k=jnp.int32(0),
+                             anorm=anorm)
+    v0 = tree.scale(1.0 / jnp.where(beta == 0, 1.0, beta), r)
+    return _Cgs2Cycle(V=tree.basis_set(V, 0, v0), Z=Z, H=jnp.zeros((m + 1, m), dtype), est=est,
+                      k=jnp.int32(0), anorm=anorm)
+
+
+def _arnoldi(A, b, *, precond, ip, m, orthogonalization):
+    """`run(r, beta, tol, anorm, go) -> (V or Z, H, estimate, anorm)`: one
+    Arnoldi cycle from `r`, `||r|| = beta`, stopping early at `tol` (or not at
+    all if `go` is false); `V or Z` are the directions that update `x`, and
+    `V` the basis."""
     dtype = tree.result_dtype(b)
     real = jnp.finfo(dtype).dtype
     one_sync = orthogonalization == "one_sync"
     basis_V = tree.basis_alloc(b, m + 2 if one_sync else m + 1)
     basis_Z = tree.basis_alloc(b, m + 1 if one_sync else m) if precond is not None else None
-    step = functools.partial(_one_sync_step if one_sync else _cgs2_step, matvec=matvec,
-                             precond=precond, ip=ip, tiny=100 * jnp.finfo(real).eps)
+    step = _one_sync_step if one_sync else _cgs2_step
     steps = m + 1 if one_sync else m  # one_sync finishes column m - 1 at step m
 
-    def run(r, beta, tol, anorm, go) -> _Cycle:
-        # One-sync: r is the pending row 0, which the first step normalizes (c = 0,
-        # nu = ||r||); CGS2 starts from r / beta.
-        v0 = r if one_sync else tree.scale(1.0 / jnp.where(beta == 0, 1.0, beta), r)
-        cy = _Cycle(V=tree.basis_set(basis_V, 0, v0), u=v0 if one_sync else None, Z=basis_Z,
-                    H=jnp.zeros((m + 2, m + 2) if one_sync else (m + 1, m), dtype),
-                    z=jnp.zeros((m + 1,), dtype).at[0].set(1), zz=jnp.ones((), real),
-                    beta=beta,
-                    j=jnp.int32(0), k=jnp.int32(0), anorm=anorm,
-                    flag=first_status([(go, RUNNING)], Status.MAX_STEPS))
-        cy = lax.while_loop(lambda c: (c.flag == RUNNING) & (c.k < steps),
-                            functools.partial(step, tol=tol), cy)
+    def run(r, beta, tol, anorm, go):
+        ctx = _Context(A=A, precond=precond, ip=ip, tol=tol, tiny=100 * jnp.finfo(real).eps)
+        cy = _new_cycle(one_sync, basis_V, basis_Z, r, beta, anorm, go, m, dtype)
+        cy = lax.while_loop(lambda c: (c.est.flag == RUNNING) & (c.k < steps),
+                            functools.partial(step, ctx=ctx), cy)
         # One-sync stores H one column to the right (a step then writes the column
         # it finishes and the new one in one update); the cycle returns it unshifted.
-        return cy._replace(H=cy.H[: m + 1, 1: m + 1]) if one_sync else cy
+        H = cy.H[: m + 1, 1: m + 1] if one_sync else cy.H
+        return cy.V, cy.Z, H, cy.est, cy.anorm
 
     return run
 
 
-def _gmres_solve(matvec, b, *, x0, precond, restart, max_restarts, rtol, atol, ip,
-                 orthogonalization, record_history):
+def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int) -> _Outer:
+    """One restart: the true residual, then (if it is not done) one Arnoldi
+    cycle and the update of `x`."""
+    b = problem.b
+    with jax.named_scope("solvax.gmres.residual"):
+        r = tree.sub(b, problem.A(st.x))
+        rr, bb = jnp.real(problem.ip.multi_dot([(r, r), (b, b)]))
+    beta = _reduce.real_sqrt(rr)
+    rtol, atol = problem.tolerances()
+    tol = jnp.maximum(atol, rtol * _reduce.real_sqrt(bb))
+    zero_b = bb == 0  # b = 0: the answer is exactly 0, whatever x0
+    beta = jnp.where(zero_b, 0, beta)
+    # Another cycle runs if `tol < beta < inf` (comparisons only: false for NaN),
+    # the last one did not break down and restarts are left.
+    go = (tol < beta) & (beta < jnp.inf) & ~st.broke & (st.restarts < max_restarts)
+    V, Z, H, est, anorm = arnoldi(r, beta, tol, st.anorm, go)
+    y = _least_squares(H, beta, est.j)
+    directions = Z if problem.precond is not None else V
+    update = tree.basis_combine(directions, _pad(y, directions))
+    x = tree.where(zero_b, tree.zeros_like(b), tree.add(st.x, update))
+    # After a cycle the next pass checks the true residual; with no cycle run,
+    # this pass was that check and the loop ends, saying why no cycle ran.
+    status = first_status([(go & (est.flag == code(Status.NONFINITE)), Status.NONFINITE),
+                           (go, RUNNING),
+                           (~(jnp.isfinite(rr) & jnp.isfinite(bb)), Status.NONFINITE),
+                           (beta <= tol, Status.CONVERGED),
+                           (st.broke, Status.BREAKDOWN)], Status.MAX_STEPS)
+    return _Outer(x=x, k=st.k + est.j, restarts=st.restarts + go.astype(jnp.int32),
+                  status=status, broke=est.flag == code(Status.BREAKDOWN), rnorm=beta, tol=tol,
+                  anorm=anorm, history=_record(st.history, st.k, est))
+
+
+def _options(b, restart: int, max_restarts: int | None) -> tuple[int, int]:
+    """`(restart, max_restarts)` for `b`: at most `size(b)` steps per cycle;
+    by default `ceil(10 * size(b) / restart)` cycles."""
+    restart = min(restart, tree.size(b))
+    if max_restarts is None:
+        max_restarts = -(-10 * tree.size(b) // restart)
+    return restart, max_restarts
+
+
+def _run(problem: Problem, *, restart: int, max_restarts: int | None, orthogonalization: str,
+         record_history: bool) -> Outcome:
     """The FGMRES iteration (not differentiated itself; see `gmres`)."""
-    dtype = tree.result_dtype(b)
-    real = jnp.finfo(dtype).dtype
-    m = restart
-    rtol = jnp.asarray(rtol, real)
-    atol = jnp.asarray(atol, real)
-    arnoldi = _arnoldi(matvec, b, precond=precond, ip=ip, m=m,
+    b = problem.b
+    real = problem.real_dtype()
+    m, max_restarts = _options(b, restart, max_restarts)
+    arnoldi = _arnoldi(problem.A, b, precond=problem.precond, ip=problem.ip, m=m,
                        orthogonalization=orthogonalization)
-
-    def cycle(st: _Outer) -> _Outer:
-        with jax.named_scope("solvax.gmres.residual"):
-            r = tree.sub(b, matvec(st.x))
-            rr, bb = jnp.real(ip.multi_dot([(r, r), (b, b)]))
-        beta = _reduce.real_sqrt(rr)
-        tol = jnp.maximum(atol, rtol * _reduce.real_sqrt(bb))
-        zero_b = bb == 0  # b = 0: the answer is exactly 0, whatever x0
-        beta = jnp.where(zero_b, 0, beta)
-        # Another cycle runs if `tol < beta < inf` (comparisons only: false for NaN),
-        # the last one did not break down and restarts are left.
-        go = (tol < beta) & (beta < jnp.inf) & ~st.broke & (st.restarts < max_restarts)
-        cy = arnoldi(r, beta, tol, st.anorm, go)
-
-        y = _least_squares(cy.H, beta, cy.j)
-        directions = cy.Z if precond is not None else cy.V
-        update = tree.basis_combine(directions, _pad(y, directions))
-        x = tree.where(zero_b, tree.zeros_like(b), tree.add(st.x, update))
-        # After a cycle the next pass checks the true residual; with no cycle run,
-        # this pass was that check and the loop ends, saying why no cycle ran.
-        status = first_status([(go & (cy.flag == code(Status.NONFINITE)), Status.NONFINITE),
-                               (go, RUNNING),
-                               (~(jnp.isfinite(rr) & jnp.isfinite(bb)), Status.NONFINITE),
-                               (beta <= tol, Status.CONVERGED),
-                               (st.broke, Status.BREAKDOWN)], Status.MAX_STEPS)
-        return _Outer(x=x, k=st.k + cy.j, restarts=st.restarts + go.astype(jnp.int32),
-                      status=status,
-                      broke=cy.flag == code(Status.BREAKDOWN),
-                      rnorm=beta, tol=tol, anorm=cy.anorm,
-                      history=_record(st.history, st.k, cy))
-
-    x = tree.zeros_like(b) if x0 is None else x0
+    x = tree.zeros_like(b) if problem.x0 is None else problem.x0
     state = _Outer(x=x, k=jnp.int32(0), restarts=jnp.int32(0), status=code(RUNNING),
                    broke=jnp.bool_(False), rnorm=jnp.asarray(jnp.inf, real),
                    tol=jnp.zeros((), real), anorm=jnp.zeros((), real),
                    history=jnp.full((max_restarts * m + m + 1,), jnp.nan, real)
                    if record_history else None)
     # Each pass starts with the true residual; a pass with nothing left to do
-    # (converged, broken down or out of restarts) ends the loop after that check.
-    state = lax.while_loop(lambda st: st.status == RUNNING, cycle, state)
-    return make_solution(state.x, state.status, state.k, state.rnorm, state.tol,
-                         history=state.history)
+    # (converged, broken down or out of restarts) ends the loop after that check,
+    # so the driver needs no residual of its own.
+    state = lax.while_loop(lambda st: st.status == RUNNING,
+                           functools.partial(_cycle, problem=problem, arnoldi=arnoldi,
+                                             max_restarts=max_restarts), state)
+    return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history,
+                   residual=(state.rnorm, state.tol))
+
+
+GMRES = _driver.register(_driver.Method("gmres", _run, symmetric=False))
 
 
 def arnoldi_basis(matvec, b, *, restart: int, orthogonalization: str = "cgs2", precond=None,
@@ -359,11 +422,10 @@ def arnoldi_basis(matvec, b, *, restart: int, orthogonalization: str = "cgs2", p
     """
     ip = _reduce.resolve(inner_product)
     real = jnp.finfo(tree.result_dtype(b)).dtype
-    beta = ip.norm(b)
-    cy = _arnoldi(matvec, b, precond=precond, ip=ip, m=restart,
-                  orthogonalization=orthogonalization)(b, beta, jnp.zeros((), real),
-                                                        jnp.zeros((), real), True)
-    return cy.V, cy.j
+    V, _, _, est, _ = _arnoldi(matvec, b, precond=precond, ip=ip, m=restart,
+                               orthogonalization=orthogonalization)(
+        b, ip.norm(b), jnp.zeros((), real), jnp.zeros((), real), True)
+    return V, est.j
 
 
 def _pad(y, basis):
@@ -457,16 +519,11 @@ def gmres(
     generalized minimal residual algorithms", Numer. Linear Algebra Appl. 28
     (2020).
     """
-    _checks.check_solver_inputs(matvec, b, x0, precond, rtol, atol)
-    restart = _checks.check_int("restart", restart, 1)
-    restart = min(restart, tree.size(b))
-    if max_restarts is None:
-        max_restarts = -(-10 * tree.size(b) // restart)
-    max_restarts = _checks.check_int("max_restarts", max_restarts, 0)
+    _checks.check_int("restart", restart, 1)
+    if max_restarts is not None:
+        _checks.check_int("max_restarts", max_restarts, 0)
     _checks.check_choice("orthogonalization", orthogonalization, ORTHOGONALIZATIONS)
-    ip = _reduce.resolve(inner_product, axis_name)
-    solve = functools.partial(_gmres_solve, restart=restart, max_restarts=max_restarts,
-                              orthogonalization=orthogonalization,
-                              record_history=bool(record_history))
-    return krylov_solve(matvec, b, solve, x0=x0, precond=precond, rtol=rtol, atol=atol, ip=ip,
-                        symmetric=False)
+    return _driver.solve(GMRES, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
+                         inner_product=inner_product, axis_name=axis_name, restart=int(restart),
+                         max_restarts=max_restarts, orthogonalization=orthogonalization,
+                         record_history=bool(record_history))

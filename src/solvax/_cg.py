@@ -1,0 +1,421 @@
+"""Preconditioned conjugate gradients on pytrees: one step function per method."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _checks, _driver, _reduce
+from . import _tree as tree
+from ._driver import Outcome, Problem
+from ._solution import RUNNING, Solution, Status, first_status
+
+PyTree = Any
+
+
+class _Scalars(NamedTuple):
+    """The scalars every CG variant carries from step to step."""
+
+    gamma: jax.Array  # <r, M r> of the previous step
+    alpha: jax.Array  # previous step length
+    tol2: jax.Array  # squared stopping threshold max(atol, rtol ||b||)^2
+    k: jax.Array  # steps run (the last one did not update x unless `go`)
+    go: jax.Array  # the last step went on; else it stopped the loop, and
+    rr: jax.Array  # its <r, r> and
+    curvature: jax.Array  # its <p, A p> (with gamma, tol2) say why (`_stop_reason`)
+    history: jax.Array | None  # recursive residual norm per step (if recorded)
+
+
+class _Standard(NamedTuple):
+    x: PyTree
+    r: PyTree  # recursively updated residual b - A x
+    p: PyTree  # search direction
+    sc: _Scalars
+
+
+class _Single(NamedTuple):
+    x: PyTree
+    r: PyTree
+    p: PyTree
+    s: PyTree  # A p
+    sc: _Scalars
+
+
+class _Pipelined(NamedTuple):
+    x: PyTree
+    r: PyTree
+    p: PyTree
+    s: PyTree  # A p
+    w: PyTree  # A u
+    z: PyTree  # A q
+    u: PyTree | None  # M r (None without a preconditioner: u = r)
+    q: PyTree | None  # M s (None without a preconditioner: q = s)
+    sc: _Scalars
+
+
+class _Context(NamedTuple):
+    """What a step reads besides its state (all from the `Problem`)."""
+
+    A: Callable
+    M: Callable
+    identity: bool  # no preconditioner: M r = r, one product fewer
+    ip: _reduce.Reduction
+    rtol: jax.Array
+    atol: jax.Array
+    tol_from_rr: bool  # x0 = None: ||b||^2 is the first step's <r, r>
+
+
+def _masked_div(pred, num, den):
+    """`num / den` where `pred` holds, else 0, with the division last: XLA then
+    computes the scalar once per step, where a final select would be fused
+    into (and recompiled with) every vector update that reads it."""
+    return jnp.where(pred, num, 0) / jnp.where(pred, den, 1)
+
+
+def _squared_threshold(bb, rtol, atol):
+    """`max(atol, rtol ||b||)^2` from `bb = ||b||^2` (no square root)."""
+    return jnp.maximum(atol * atol, rtol * rtol * bb)
+
+
+def _may_go(rr, gamma, tol2):
+    """`tol2 < rr < inf` and `0 < gamma < inf`: comparisons only (false for NaN)."""
+    return (tol2 < rr) & (rr < jnp.inf) & (0 < gamma) & (gamma < jnp.inf)
+
+
+def _top_of_step(sc: _Scalars, ctx: _Context, rr, gamma):
+    """The stopping threshold and history, updated from the reduced values at
+    the top of a step, and whether the step may go on (`_may_go`)."""
+    tol2 = sc.tol2
+    if ctx.tol_from_rr:
+        tol2 = jnp.where(sc.k == 0, _squared_threshold(rr, ctx.rtol, ctx.atol), tol2)
+    history = sc.history
+    if history is not None:
+        history = history.at[sc.k].set(_reduce.real_sqrt(rr))
+    return sc._replace(tol2=tol2, history=history), _may_go(rr, gamma, tol2)
+
+
+def _goes(go, curvature):
+    """The step updates `x`: its top passed (`_may_go`) and `0 < <p, A p> < inf`."""
+    return go & (0 < curvature) & (curvature < jnp.inf)
+
+
+def _stop_reason(sc: _Scalars):
+    """Why a step that did not go on stopped, in order: non-finite values,
+    convergence, a non-positive-definite preconditioner or operator.
+
+    Evaluated once after the loop from the last step's carried values, not in
+    every step: the loop itself decides with comparisons only (`_may_go`,
+    `_goes`), and when only `x` is used the compiler drops this altogether.
+    """
+    return first_status([(~(jnp.isfinite(sc.rr) & jnp.isfinite(sc.gamma)), Status.NONFINITE),
+                         (sc.rr <= sc.tol2, Status.CONVERGED),
+                         ((sc.gamma <= 0) | jnp.isfinite(sc.curvature), Status.INDEFINITE)],
+                        Status.NONFINITE)
+
+
+def _products(ctx: _Context, r, u, w):
+    """`(gamma, delta, rr) = (<r, u>, <u, w>, <r, r>)` in one reduction (with
+    `u = r` when there is no preconditioner: one product fewer)."""
+    if ctx.identity:
+        rr, delta = jnp.real(ctx.ip.multi_dot([(r, r), (u, w)]))
+        return rr, delta, rr
+    return tuple(jnp.real(ctx.ip.multi_dot([(r, u), (u, w), (r, r)])))
+
+
+def _recurrence(sc: _Scalars, gamma, delta, go):
+    """Chronopoulos–Gear coefficients from `gamma = <r, M r>`, `delta = <M r, A M r>`:
+    `beta = gamma / gamma_prev`, `<p, A p> = delta - beta gamma / alpha_prev`."""
+    beta = gamma / sc.gamma  # see `_standard_step`
+    curvature = jnp.where(sc.k == 0, delta, delta - beta * gamma / sc.alpha)
+    go = _goes(go, curvature)
+    return beta, _masked_div(go, gamma, curvature), curvature, go
+
+
+def _advance(sc: _Scalars, go, alpha, rr, gamma, curvature) -> _Scalars:
+    """The scalars after a step. `k` counts steps run, whether or not they went
+    on (the loop ends with the first that did not), so it does not depend on
+    the step's outcome."""
+    return sc._replace(go=go, alpha=alpha, rr=rr, gamma=gamma, curvature=curvature, k=sc.k + 1)
+
+
+def _standard_step(st: _Standard, ctx: _Context) -> _Standard:
+    """Hestenes–Stiefel: two reductions, `<r, z>` with `<r, r>`, then `<p, A p>`."""
+    with jax.named_scope("solvax.pcg.precond"):
+        z = ctx.M(st.r)
+    with jax.named_scope("solvax.pcg.reduce"):
+        if ctx.identity:
+            rr = gamma = jnp.real(ctx.ip.dot(st.r, st.r))
+        else:
+            gamma, rr = jnp.real(ctx.ip.multi_dot([(st.r, z), (st.r, st.r)]))
+    sc, go = _top_of_step(st.sc, ctx, rr, gamma)
+    # No guard needed: a step runs only after one that went on (gamma, alpha > 0)
+    # or from the initial 1s, and the first step's beta multiplies p = 0.
+    beta = gamma / sc.gamma
+    p = tree.axpy(beta, st.p, z)
+    with jax.named_scope("solvax.pcg.matvec"):
+        q = ctx.A(p)
+    with jax.named_scope("solvax.pcg.reduce"):
+        pq = jnp.real(ctx.ip.dot(p, q))
+    go = _goes(go, pq)
+    alpha = _masked_div(go, gamma, pq)
+    return _Standard(x=tree.axpy(alpha, p, st.x), r=tree.axpy(-alpha, q, st.r), p=p,
+                     sc=_advance(sc, go, alpha, rr, gamma, pq))
+
+
+def _single_step(st: _Single, ctx: _Context) -> _Single:
+    """Chronopoulos & Gear (1989): with u = M r and w = A u, the three products
+    <r, u>, <u, w>, <r, r> are independent and share one reduction."""
+    with jax.named_scope("solvax.pcg.precond"):
+        u = ctx.M(st.r)
+    with jax.named_scope("solvax.pcg.matvec"):
+        w = ctx.A(u)
+    with jax.named_scope("solvax.pcg.reduce"):
+        gamma, delta, rr = _products(ctx, st.r, u, w)
+    sc, go = _top_of_step(st.sc, ctx, rr, gamma)
+    beta, alpha, curvature, go = _recurrence(sc, gamma, delta, go)
+    p = tree.axpy(beta, st.p, u)
+    s = tree.axpy(beta, st.s, w)
+    # p reads the old r; r is updated after p (in place, no copy of r).
+    return _Single(x=tree.axpy(alpha, p, st.x), r=tree.after(tree.axpy(-alpha, s, st.r), p),
+                   p=p, s=s, sc=_advance(sc, go, alpha, rr, gamma, curvature))
+
+
+def _pipelined_step(st: _Pipelined, ctx: _Context) -> _Pipelined:
+    """Ghysels & Vanroose (2014), Alg. 4: the one reduction of the step does not
+    feed M w and A M w, so it can overlap with them. With M = I, u = r and q = s."""
+    u = st.r if ctx.identity else st.u
+    with jax.named_scope("solvax.pcg.reduce"):
+        gamma, delta, rr = _products(ctx, st.r, u, st.w)
+    with jax.named_scope("solvax.pcg.precond"):
+        m = ctx.M(st.w)
+    with jax.named_scope("solvax.pcg.matvec"):
+        n = ctx.A(m)
+    sc, go = _top_of_step(st.sc, ctx, rr, gamma)
+    beta, alpha, curvature, go = _recurrence(sc, gamma, delta, go)
+    z = tree.axpy(beta, st.z, n)
+    s = tree.axpy(beta, st.s, st.w)
+    p = tree.axpy(beta, st.p, u)
+    q = None if ctx.identity else tree.axpy(beta, st.q, m)
+    # Each vector is overwritten after the readers of its old value (in place).
+    return _Pipelined(
+        x=tree.axpy(alpha, p, st.x), r=tree.after(tree.axpy(-alpha, s, st.r), p),
+        p=p, s=s, w=tree.after(tree.axpy(-alpha, z, st.w), s), z=z,
+        u=None if ctx.identity else tree.after(tree.axpy(-alpha, q, u), p), q=q,
+        sc=_advance(sc, go, alpha, rr, gamma, curvature))
+
+
+def _replace_residuals(st: _Pipelined, ctx: _Context, b) -> _Pipelined:
+    """Residual replacement: recompute the recursively updated vectors from x and p."""
+    with jax.named_scope("solvax.pcg.residual_replacement"):
+        r = tree.sub(b, ctx.A(st.x))
+        u = ctx.M(r)
+        s = ctx.A(st.p)
+        q = ctx.M(s)
+        return st._replace(r=r, w=ctx.A(u), s=s, z=ctx.A(q),
+                           u=None if ctx.identity else u, q=None if ctx.identity else q)
+
+
+def _pipelined_with_replacement(st: _Pipelined, ctx: _Context, b, every: int) -> _Pipelined:
+    st = _pipelined_step(st, ctx)
+    return lax.cond(st.sc.go & (st.sc.k % every == 0),
+                    lambda s: _replace_residuals(s, ctx, b), lambda s: s, st)
+
+
+def _initial_state(method: str, ctx: _Context, x, r, sc: _Scalars):
+    """The state of `method` before its first step (directions zero)."""
+    zeros = tree.zeros_like(r)
+    if method == "standard":
+        return _Standard(x=x, r=r, p=zeros, sc=sc)
+    if method == "single_reduction":
+        return _Single(x=x, r=r, p=zeros, s=zeros, sc=sc)
+    with jax.named_scope("solvax.pcg.setup"):
+        u = ctx.M(r)
+        return _Pipelined(x=x, r=r, p=zeros, s=zeros, w=ctx.A(u), z=zeros,
+                          u=None if ctx.identity else u, q=None if ctx.identity else zeros,
+                          sc=sc)
+
+
+def _start(problem: Problem, ctx: _Context, real, max_steps: int, record_history: bool):
+    """`(x, r, scalars)` at the start: from x0 (one setup reduction for ||b||)
+    or from zero (then ||b||^2 is the first step's <r, r>)."""
+    b = problem.b
+    if problem.x0 is None:
+        x, r, tol2 = tree.zeros_like(b), b, jnp.asarray(jnp.inf, real)
+    else:
+        with jax.named_scope("solvax.pcg.setup"):
+            bb = jnp.real(problem.ip.dot(b, b))
+            zero_b = bb == 0  # b = 0: the answer is exactly 0, whatever x0
+            x = tree.where(zero_b, tree.zeros_like(b), problem.x0)
+            r = tree.where(zero_b, b, tree.sub(b, problem.A(problem.x0)))
+            tol2 = _squared_threshold(bb, ctx.rtol, ctx.atol)
+    one = jnp.ones((), real)
+    history = jnp.full((max_steps + 1,), jnp.nan, real) if record_history else None
+    sc = _Scalars(gamma=one, alpha=one, tol2=tol2, k=jnp.int32(0), go=jnp.bool_(True),
+                  rr=one, curvature=one, history=history)
+    return x, r, sc
+
+
+def _run(problem: Problem, *, method: str, max_steps: int | None, residual_replacement: int | None,
+         record_history: bool) -> Outcome:
+    """The PCG iteration of `method` (not differentiated itself; see `pcg`)."""
+    real = problem.real_dtype()
+    if max_steps is None:
+        max_steps = 10 * tree.size(problem.b)
+    identity = problem.precond is None
+    rtol, atol = problem.tolerances()
+    ctx = _Context(A=problem.A, M=(lambda v: v) if identity else problem.precond,
+                   identity=identity, ip=problem.ip, rtol=rtol, atol=atol,
+                   tol_from_rr=problem.x0 is None)
+    x, r, sc = _start(problem, ctx, real, max_steps, record_history)
+    state = _initial_state(method, ctx, x, r, sc)
+    if method == "pipelined" and residual_replacement:
+        step = functools.partial(_pipelined_with_replacement, b=problem.b,
+                                 every=residual_replacement)
+    else:
+        step = _STEPS[method]
+    state = lax.while_loop(lambda st: st.sc.go & (st.sc.k < max_steps),
+                           functools.partial(step, ctx=ctx), state)
+    sc = state.sc
+    # Every step run updated x, except a last one that stopped the loop.
+    steps = sc.k - (~sc.go).astype(jnp.int32)
+    status = first_status([(sc.go, RUNNING)], _stop_reason(sc))
+    return Outcome(x=state.x, status=status, iterations=steps, history=sc.history)
+
+
+_STEPS = {"standard": _standard_step, "single_reduction": _single_step,
+          "pipelined": _pipelined_step}
+METHODS = tuple(_STEPS)
+CG = _driver.register(_driver.Method("pcg", _run, symmetric=True))
+
+
+def pcg(
+    matvec: Callable[[PyTree], PyTree],
+    b: PyTree,
+    *,
+    x0: PyTree | None = None,
+    precond: Callable[[PyTree], PyTree] | None = None,
+    rtol: float = 1e-8,
+    atol: float = 0.0,
+    max_steps: int | None = None,
+    single_reduction: bool = False,
+    method: str | None = None,
+    residual_replacement: int | None = None,
+    record_history: bool = False,
+    inner_product=None,
+    axis_name: str | tuple[str, ...] | None = None,
+) -> Solution:
+    """Preconditioned conjugate gradients for a Hermitian positive-definite `A`.
+
+    Standard recurrence (Hestenes & Stiefel), with `z = M r`:
+
+        alpha = <r, z> / <p, A p>,  x += alpha p,  r -= alpha A p,
+        beta = <r', z'> / <r, z>,   p = z' + beta p
+
+    two reductions per step: `<p, A p>`, then `<r, z>` with `<r, r>` fused.
+    `single_reduction=True` uses the Chronopoulos–Gear recurrence: with
+    `u = M r`, `w = A u`, the products `<r, u>`, `<u, w>`, `<r, r>` are
+    computed in *one* reduction and `<p, A p> = <u, w> - beta <r, u> / alpha`
+    by recurrence, at the cost of one more stored vector (`s = A p`).
+
+    `method="pipelined"` is pipelined CG (Ghysels & Vanroose): it also keeps
+    `w = A u`, `z = A q`, `q = M s` by recurrence, so the single reduction of
+    a step is not needed by that step's `M w` and `A M w` and can overlap with
+    them (hiding its latency where collectives run asynchronously), at the
+    cost of four more stored vectors and extra recurrences. Finite precision:
+    the recursively updated vectors drift from their definitions faster than
+    in standard CG, so the attainable accuracy is lower (often 1e-10 rather
+    than 1e-14 relative); `residual_replacement=k` recomputes `r, u, w, s, q,
+    z` from `x` and `p` every k steps (4 matvecs and 2 preconditioner
+    applications each time, no reduction), restoring accuracy. The true
+    residual check (1.) reports any shortfall honestly as `STAGNATION`.
+
+    Differs from the textbook / `jax.scipy.sparse.linalg.cg`:
+      1. `converged` is decided on the true residual `||b - A x||` (one extra
+         matvec after the loop), never on the recursively updated one.
+      2. With `x0=None`, `||b||` is the first step's `<r, r>`: no setup reduction.
+      3. Non-positive curvature, a non-positive-definite preconditioner and
+         non-finite values stop the loop with their own `Status`.
+      4. Differentiable with `jax.grad`/`jax.jvp` by implicit differentiation:
+         one more CG solve (the transposed system), never through the loop.
+
+    Args:
+        matvec: `x -> A x` on pytrees shaped like `b`.
+        b: right-hand side, an array or any pytree of arrays (leaves keep
+            their sharding; no leaf is ever flattened).
+        x0: initial guess shaped like `b` (default zeros).
+        precond: `r -> M r`, an HPD approximation of `A^{-1}` (default identity).
+        rtol, atol: stop when `||b - A x|| <= max(atol, rtol * ||b||)`.
+        max_steps: iteration limit (default `10 * size(b)`).
+        single_reduction: use the one-reduction-per-step recurrence (the same
+            as `method="single_reduction"`).
+        method: `"standard"` (default), `"single_reduction"` or `"pipelined"`.
+        residual_replacement: pipelined only: recompute the recursively
+            updated vectors every this many steps (default never).
+        record_history: store the recursive residual norm of every step in
+            `Solution.history` (length `max_steps + 1`, NaN after the end).
+        inner_product: a `solvax.InnerProduct` (or `(x, y) -> scalar`) used for
+            every product and norm, including the stopping test.
+        axis_name: inside `shard_map`, the mesh axis the vectors are split over
+            (shorthand for `inner_product=InnerProduct(axis_name=...)`).
+
+    Returns:
+        A `Solution` with `x`, `status`, `converged`, `iterations` and the true
+        `residual_norm`.
+
+    Raises:
+        TypeError, ValueError: at trace time, for a `b`, `x0`, `matvec(b)` or
+            `precond(b)` whose structure, shapes or dtypes disagree, negative
+            tolerances, a negative `max_steps`, an unknown `method`, or
+            `residual_replacement` with a method other than `"pipelined"`.
+
+    References: A. T. Chronopoulos and C. W. Gear, "s-step iterative methods
+    for symmetric linear systems", J. Comput. Appl. Math. 25 (1989);
+    P. Ghysels and W. Vanroose, "Hiding global synchronization latency in the
+    preconditioned conjugate gradient algorithm", Parallel Comput. 40 (2014).
+    """
+    if max_steps is not None:
+        _checks.check_int("max_steps", max_steps, 0)
+    if not isinstance(single_reduction, bool):
+        raise TypeError(f"`single_reduction` must be a bool; got {single_reduction!r}.")
+    if method is None:
+        method = "single_reduction" if single_reduction else "standard"
+    _checks.check_choice("method", method, METHODS)
+    if single_reduction and method != "single_reduction":
+        raise ValueError(f"`single_reduction=True` contradicts `method={method!r}`; pass one.")
+    if residual_replacement is not None:
+        _checks.check_int("residual_replacement", residual_replacement, 1)
+        if method != "pipelined":
+            raise ValueError("`residual_replacement` applies to `method='pipelined'` only; "
+                             f"got method={method!r}.")
+    # A^T = conj(A) is HPD too (symmetric for real b): see `_driver.solve`.
+    return _driver.solve(CG, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
+                         inner_product=inner_product, axis_name=axis_name, method=method,
+                         max_steps=max_steps, residual_replacement=residual_replacement,
+                         record_history=bool(record_history))
+
+
+def pcg_linear_solve(matvec: Callable[[PyTree], PyTree], b: PyTree, **pcg_options) -> Solution:
+    """`linear_solve` around `pcg` (symmetric): the same `Solution`, diagnostics included.
+
+    `pcg` itself is already differentiated implicitly; this entry point exists
+    for symmetry with `linear_solve` and accepts exactly `pcg`'s options.
+
+    Args:
+        matvec: `x -> A x` (Hermitian positive definite).
+        b: right-hand side.
+        **pcg_options: any keyword option of `pcg`.
+
+    Returns:
+        The `Solution` of `pcg(matvec, b, **pcg_options)`.
+
+    Raises:
+        TypeError: for an option `pcg` does not take; otherwise as `pcg`.
+
+    Reference: as `pcg`.
+    """
+    return pcg(matvec, b, **pcg_options)

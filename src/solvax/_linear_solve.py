@@ -1,0 +1,79 @@
+"""`linear_solve`: implicit differentiation of a black-box solver, on the driver."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ._closure import close, transposed
+from ._driver import implicit_solve, make_problem, solution_of
+
+PyTree = Any
+Solver = Callable[[Callable[[PyTree], PyTree], PyTree], Any]
+
+
+def _primal(problem):
+    return problem.data[0](problem.b, problem.A)
+
+
+def _dual(problem):
+    return problem.data[1](problem.b, problem.A)
+
+
+def linear_solve(
+    matvec: Callable[[PyTree], PyTree],
+    b: PyTree,
+    *,
+    solver: Solver,
+    transpose_solver: Solver | None = None,
+    symmetric: bool = False,
+):
+    """Solve `A x = b` with `solver`, differentiated implicitly.
+
+    `solver` itself is never differentiated. With `x = A^{-1} b`,
+
+        dx = A^{-1} (db - dA x)                      (forward mode: one more solve)
+        b_bar = A^{-T} x_bar,  A_bar = -b_bar x^T    (reverse mode: one transposed solve)
+
+    so the gradient with respect to `b` and to everything `matvec` closes over
+    costs exactly one transposed solve, with the same communication as the
+    primal solve. The tangent solve is a `jax.lax.custom_linear_solve`.
+
+    Args:
+        matvec: the linear operator `x -> A x` on pytrees shaped like `b`; it
+            may close over (differentiable) parameters.
+        b: right-hand side (array or pytree of arrays).
+        solver: `solver(matvec, rhs)` returning either a `Solution` or the
+            solution pytree. A black box: it may use any loop, and may close
+            over values that are not differentiated (they do not change `x`).
+        transpose_solver: `transpose_solver(vecmat, rhs)` for `A^T y = rhs`,
+            where `vecmat` is the transpose of `matvec` (derived automatically).
+            Defaults to `solver`.
+        symmetric: `A^T == A` (real symmetric, or complex symmetric; *not*
+            Hermitian). Then `matvec` is used as its own transpose.
+
+    Returns:
+        Whatever `solver` returns: a `Solution` (diagnostics kept, `x`
+        differentiable, diagnostics constant) or the solution pytree.
+
+    Raises:
+        TypeError, ValueError: if `b` is not a pytree of inexact arrays,
+            `matvec(b)` does not have the structure, shapes and dtypes of `b`,
+            or `solver` is not callable.
+
+    Reference: M. Blondel et al., "Efficient and modular implicit
+    differentiation", NeurIPS 2022; JAX `lax.custom_linear_solve`.
+    """
+    for name, fn in (("solver", solver), ("transpose_solver", transpose_solver)):
+        if (fn is not None or name == "solver") and not callable(fn):
+            raise TypeError(f"`{name}` must be a function `(matvec, b) -> x`; got {fn!r}.")
+    problem = make_problem(matvec, b)
+    A = problem.A
+    # The user's solvers may close over anything: closing them makes those values
+    # explicit (traced now, a distinct transposed solver included).
+    primal = close(lambda r, A: solver(A, r), b, A)
+    if symmetric and transpose_solver in (None, solver):
+        return implicit_solve(problem._replace(data=(primal,)), _primal, None, True)
+    dual = close(lambda r, At: solution_of((transpose_solver or solver)(At, r)), b,
+                 A if symmetric else transposed(A))
+    return implicit_solve(problem._replace(data=(primal, dual)), _primal, _dual, symmetric)
