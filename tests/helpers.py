@@ -48,6 +48,30 @@ def dense_of(matvec, shape, dtype=np.float64) -> np.ndarray:
     return np.asarray(cols).T
 
 
+def dense_tridiagonal(lower, diag, upper, cyclic: bool = False):
+    """The dense matrices of tridiagonal systems: bands `(n, *B)` -> `(*B, n, n)`
+    (differentiable). `lower[0]` and `upper[-1]` are unused, or with `cyclic`
+    the corners `A[0, n-1]` and `A[n-1, 0]`. The one dense builder for every
+    tridiagonal test."""
+    l, d, u = (jnp.moveaxis(jnp.asarray(a), 0, -1) for a in (lower, diag, upper))
+    n = d.shape[-1]
+    eye = jnp.eye(n, dtype=d.dtype)
+    below, above = jnp.eye(n, k=-1, dtype=d.dtype), jnp.eye(n, k=1, dtype=d.dtype)
+    if cyclic:
+        below, above = below.at[0, n - 1].set(1), above.at[n - 1, 0].set(1)
+    # row i holds lower[i] at column i - 1 (mod n), upper[i] at column i + 1 (mod n)
+    return l[..., :, None] * below + d[..., :, None] * eye + u[..., :, None] * above
+
+
+def solve_dense_tridiagonal(lower, diag, upper, rhs, cyclic: bool = False):
+    """`x` of the systems along the leading axis (rhs `(n, *B)` or `(n, *B, *K)`)."""
+    A = dense_tridiagonal(lower, diag, upper, cyclic)
+    nb = jnp.ndim(diag) - 1
+    r = jnp.moveaxis(jnp.asarray(rhs), 0, nb)  # (*B, n, *K)
+    r2 = r.reshape(r.shape[: nb + 1] + (-1,))
+    return jnp.moveaxis(jnp.linalg.solve(A, r2).reshape(r.shape), nb, 0)
+
+
 def convection_diffusion(strength: float = 10.0):
     """Upwind convection-diffusion on a 2-D grid: -Δu + c ∂u/∂x (nonsymmetric)."""
 

@@ -4,6 +4,7 @@ so their results and collective counts can be compared."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from helpers import dense_tridiagonal, solve_dense_tridiagonal
 
 import solvax as sx
 
@@ -17,12 +18,8 @@ def periodic(d, left, right):
 
 
 def dense_periodic(d, left, right):
-    n = d.shape[0]
-    A = np.diag(d)
-    idx = np.arange(n)
-    A[idx, (idx - 1) % n] -= left
-    A[idx, (idx + 1) % n] -= right
-    return A
+    minus = -np.ones_like(d)
+    return np.asarray(dense_tridiagonal(left * minus, d, right * minus, cyclic=True))
 
 
 def gmres_solver(matvec, b):
@@ -40,13 +37,11 @@ def cases():
     lam = np.linalg.solve(ns.T, 2 * x_ns)
     lower, upper, rhs = rng.standard_normal((3, NB, BATCH))
     diag = 2.5 + np.abs(lower) + np.abs(upper)
-    A_batch = [np.diag(diag[:, k]) + np.diag(lower[1:, k], -1) + np.diag(upper[:-1, k], 1)
-               for k in range(BATCH)]
-    x_batch = np.stack([np.linalg.solve(A_batch[k], rhs[:, k]) for k in range(BATCH)], 1)
+    x_batch = np.asarray(solve_dense_tridiagonal(lower, diag, upper, rhs))
     pl, pu = rng.standard_normal((2, N))
     pd = 2.5 + np.abs(pl) + np.abs(pu)
     pr = rng.standard_normal((N, 3))
-    A_p = np.diag(pd) + np.diag(pl[1:], -1) + np.diag(pu[:-1], 1)
+    A_p = np.asarray(dense_tridiagonal(pl, pd, pu))
     vec, col = ("i",), (None, "i")
     return {
         "pcg": (lambda d, b: sx.pcg(periodic(d, 0.5, 0.5), b, rtol=1e-12).x,

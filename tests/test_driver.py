@@ -9,7 +9,7 @@ initial guess are all traced values catches a method that captures one.
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import SOLVERS, rel_err, rhs
+from helpers import SOLVERS, dense_tridiagonal, rel_err, rhs
 
 import solvax as sx
 from solvax import _driver
@@ -23,7 +23,8 @@ def test_every_driver_method_is_in_the_test_registry():
 
 
 def spd(theta):
-    return jnp.diag(2.5 + theta) - jnp.eye(N, k=1) - jnp.eye(N, k=-1)
+    minus = -jnp.ones_like(theta)
+    return dense_tridiagonal(minus, 2.5 + theta, minus)
 
 
 @pytest.mark.parametrize("name", list(SOLVERS))

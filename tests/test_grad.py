@@ -5,7 +5,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import GENERAL_SOLVERS, KRYLOV, SPD_SOLVERS, random_nonsymmetric, rel_err, rhs
+from helpers import (
+    GENERAL_SOLVERS,
+    KRYLOV,
+    SPD_SOLVERS,
+    dense_tridiagonal,
+    random_nonsymmetric,
+    rel_err,
+    rhs,
+)
 
 import solvax as sx
 
@@ -23,8 +31,8 @@ def spd_operator(theta):
 
 
 def spd_dense(theta):
-    n = theta.shape[0]
-    return jnp.diag(2.0 + theta) - jnp.eye(n, k=1) - jnp.eye(n, k=-1)
+    minus = -jnp.ones_like(theta)
+    return dense_tridiagonal(minus, 2.0 + theta, minus)
 
 
 def general_operator(theta):

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import mesh, put, rel_err
+from helpers import mesh, put, rel_err, solve_dense_tridiagonal
 from jax.sharding import PartitionSpec as P
 
 import solvax as sx
@@ -111,14 +111,6 @@ def test_bad_input():
 
 
 # ----------------------------------------------------------------- cyclic
-def cyclic_dense(lower, diag, upper):
-    n = diag.shape[0]
-    A = np.diag(diag) + np.diag(lower[1:], -1) + np.diag(upper[:-1], 1)
-    A[0, n - 1] = lower[0]
-    A[n - 1, 0] = upper[-1]
-    return A
-
-
 @pytest.mark.parametrize("method", ["thomas", "lax"])
 @pytest.mark.parametrize("dtype", [np.float64, np.complex128])
 def test_cyclic_matches_dense(method, dtype):
@@ -126,19 +118,14 @@ def test_cyclic_matches_dense(method, dtype):
         method = "auto"
     lo, d, up, r = system(30, (), (2,), dtype=dtype, seed=4)
     x = sx.cyclic_tridiagonal_solve(*(jnp.asarray(a) for a in (lo, d, up, r)), method=method)
-    assert rel_err(x, np.linalg.solve(cyclic_dense(lo, d, up), r)) < 1e-12
+    assert rel_err(x, solve_dense_tridiagonal(lo, d, up, r, cyclic=True)) < 1e-12
 
 
 def test_cyclic_batched_grad():
     lo, d, up, r = system(12, (3,), (), seed=5)
 
     def dense_solve(lo, d, up, r):
-        n = d.shape[0]
-        idx = jnp.arange(n)
-        A = jnp.zeros((3, n, n), d.dtype).at[:, idx, idx].set(d.T)
-        A = A.at[:, idx[1:], idx[:-1]].set(lo[1:].T).at[:, idx[:-1], idx[1:]].set(up[:-1].T)
-        A = A.at[:, 0, n - 1].set(lo[0]).at[:, n - 1, 0].set(up[-1])
-        return jnp.linalg.solve(A, r.T[..., None])[..., 0].T
+        return solve_dense_tridiagonal(lo, d, up, r, cyclic=True)
 
     args = [jnp.asarray(a) for a in (lo, d, up, r)]
     x = sx.cyclic_tridiagonal_solve(*args)

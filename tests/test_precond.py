@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import dense_of, mesh, poisson_2d, put, rel_err, rhs
+from helpers import dense_of, dense_tridiagonal, mesh, poisson_2d, put, rel_err, rhs
 
 import solvax as sx
 
@@ -15,7 +15,7 @@ N = 120
 
 def tridiag(n=N):
     d = 2.0 + jnp.arange(n) / 10
-    A = jnp.diag(d) - jnp.eye(n, k=1) - jnp.eye(n, k=-1)
+    A = dense_tridiagonal(-jnp.ones(n), d, -jnp.ones(n))
     return A, d
 
 

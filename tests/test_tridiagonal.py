@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rel_err
+from helpers import dense_tridiagonal, rel_err, solve_dense_tridiagonal
 
 import solvax as sx
 from solvax._tridiagonal import lax_supports
@@ -26,26 +26,8 @@ def bands(shape, dtype=np.float64, seed=0):
     return jnp.asarray(lower), jnp.asarray(diag), jnp.asarray(upper)
 
 
-def dense(lower, diag, upper):
-    """Dense matrices, batch axes last -> shape (*B, n, n)."""
-    l, d, u = (np.moveaxis(np.asarray(a), 0, -1) for a in (lower, diag, upper))
-    n = d.shape[-1]
-    A = np.zeros(d.shape + (n,), d.dtype)
-    idx = np.arange(n)
-    A[..., idx, idx] = d
-    A[..., idx[1:], idx[:-1]] = l[..., 1:]
-    A[..., idx[:-1], idx[1:]] = u[..., :-1]
-    return A
-
-
 def reference(lower, diag, upper, rhs):
-    A = dense(lower, diag, upper)  # (*B, n, n)
-    r = np.asarray(rhs)
-    nb = lower.ndim - 1
-    r = np.moveaxis(r, 0, nb)  # (*B, n, *K)
-    r2 = r.reshape(r.shape[: nb + 1] + (-1,))
-    x = np.linalg.solve(A, r2).reshape(r.shape)
-    return np.moveaxis(x, nb, 0)
+    return np.asarray(solve_dense_tridiagonal(lower, diag, upper, rhs))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -84,17 +66,10 @@ def test_grad_all_inputs(method, dtype):
     def loss(solve, *args):
         return jnp.sum(jnp.abs(solve(*args)) ** 2)
 
-    def via_dense(l, d, u, r):
-        n = d.shape[0]
-        idx = jnp.arange(n)
-        A = jnp.zeros((3, n, n), d.dtype)
-        A = A.at[:, idx, idx].set(d.T).at[:, idx[1:], idx[:-1]].set(l[1:].T)
-        A = A.at[:, idx[:-1], idx[1:]].set(u[:-1].T)
-        return jnp.linalg.solve(A, r.T[..., None])[..., 0].T
-
     ours = jax.grad(lambda *a: loss(lambda *b: sx.tridiagonal_solve(*b, method=method), *a),
                     argnums=(0, 1, 2, 3))(lower, diag, upper, rhs)
-    ref = jax.grad(lambda *a: loss(via_dense, *a), argnums=(0, 1, 2, 3))(lower, diag, upper, rhs)
+    ref = jax.grad(lambda *a: loss(solve_dense_tridiagonal, *a),
+                   argnums=(0, 1, 2, 3))(lower, diag, upper, rhs)
     for g, r in zip(ours, ref):
         assert rel_err(g, r) < 1e-10
     assert float(jnp.abs(ours[0][0]).max()) == 0.0  # lower[0] unused
@@ -110,16 +85,13 @@ def test_jvp_and_vmap(method):
     def f(*a):
         return sx.tridiagonal_solve(*a, method=method)
 
-    def f_dense(l, d, u, r):
-        A = jnp.diag(d) + jnp.diag(l[1:], -1) + jnp.diag(u[:-1], 1)
-        return jnp.linalg.solve(A, r)
-
     _, t = jax.jvp(f, (lower, diag, upper, rhs), tangents)
-    _, t_ref = jax.jvp(f_dense, (lower, diag, upper, rhs), tangents)
+    _, t_ref = jax.jvp(solve_dense_tridiagonal, (lower, diag, upper, rhs), tangents)
     assert rel_err(t, t_ref) < 1e-12
     R = jnp.stack([rhs, 2 * rhs, -rhs])
     xs = jax.vmap(lambda r: f(lower, diag, upper, r))(R)
-    assert rel_err(xs, jax.vmap(lambda r: f_dense(lower, diag, upper, r))(R)) < 1e-12
+    ref = jax.vmap(lambda r: solve_dense_tridiagonal(lower, diag, upper, r))(R)
+    assert rel_err(xs, ref) < 1e-12
 
 
 def test_adjoint_is_transposed_tridiagonal_solve():
@@ -128,5 +100,5 @@ def test_adjoint_is_transposed_tridiagonal_solve():
     ct = jnp.asarray(np.random.default_rng(4).standard_normal(10))
     _, vjp = jax.vjp(lambda r: sx.tridiagonal_solve(lower, diag, upper, r), rhs)
     (rbar,) = vjp(ct)
-    A = dense(lower, diag, upper)
+    A = np.asarray(dense_tridiagonal(lower, diag, upper))
     assert rel_err(rbar, np.linalg.solve(A.T, ct)) < 1e-12

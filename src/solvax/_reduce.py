@@ -149,8 +149,8 @@ class InnerProduct(Reduction):
         partitioner reduces a sharded contracting axis with one all-reduce, and
         on one device it is a BLAS GEMV), conjugating the vectors rather than
         the basis: `V^H x = conj(V^T conj(x))`. With separate kernels, one GEMV
-        per vector (XLA's CPU GEMM with two right-hand columns is 3x slower
-        than two GEMVs; `docs/krylov.md`) and one sum per pair; otherwise one
+        per vector (faster than a skinny GEMM on XLA's CPU backend:
+        `docs/krylov.md`, "skinny GEMM") and one sum per pair; otherwise one
         contraction with the vectors stacked, or, with pairs, every product
         stacked elementwise before one sum."""
         vs = self._leaves(basis)
