@@ -142,31 +142,33 @@ def _linear_solve_gmres(matvec, b, **options):
     return sx.linear_solve(matvec, b, solver=lambda A, r: sx.gmres(A, r, restart=20, **options))
 
 
-# PCG: <p, Ap> and the fused [<r, z>, <r, r>]; with x0=None ||b|| is the first
-# step's <r, r>, so nothing runs before the loop. Single reduction and
-# pipelined: one stacked reduction per step (residual replacement adds matvecs,
-# no reduction). FGMRES: the restart's fused [||r||^2, ||b||^2] plus, per
-# Arnoldi step, one stacked projection (one_sync, the default) or two (CGS2).
+# Every solve: one max |b_i| before the loop (the power-of-two scale that keeps
+# its norms in range; `_driver._scaled`). PCG: <p, Ap> and the fused
+# [<r, z>, <r, r>]; with x0=None ||b|| is the first step's <r, r>. Single
+# reduction and pipelined: one stacked reduction per step (residual replacement
+# adds matvecs, no reduction). FGMRES: the restart's fused [||r||^2, ||b||^2]
+# plus, per Arnoldi step, one stacked projection (one_sync, the default) or two
+# (CGS2).
 SOLVERS = {s.name: s for s in [
-    Solver("pcg", sx.pcg, "pcg", False, (2, 4, 2)),
+    Solver("pcg", sx.pcg, "pcg", False, (3, 6, 2)),
     Solver("pcg_single_reduction", functools.partial(sx.pcg, single_reduction=True), "pcg",
-           False, (1, 2, 1)),
+           False, (2, 4, 1)),
     Solver("pcg_pipelined", functools.partial(sx.pcg, method="pipelined"), "pcg", False,
-           (1, 2, 1)),
+           (2, 4, 1)),
     # Every 10 steps: in single precision on the condition-660 1-D Poisson test,
     # every 20 steps breaks down on jax 0.4.38 (measured; see docs/krylov.md).
     Solver("pcg_pipelined_replacement",
            functools.partial(sx.pcg, method="pipelined", residual_replacement=10), "pcg",
-           False, (1, 2, 1)),
-    Solver("pcg_linear_solve", sx.pcg_linear_solve, "pcg", False, (2, 4, 2)),
-    Solver("gmres", functools.partial(sx.gmres, restart=20), "gmres", True, (2, 4, 2)),
+           False, (2, 4, 1)),
+    Solver("pcg_linear_solve", sx.pcg_linear_solve, "pcg", False, (3, 6, 2)),
+    Solver("gmres", functools.partial(sx.gmres, restart=20), "gmres", True, (3, 6, 2)),
     Solver("gmres_cgs2", functools.partial(sx.gmres, restart=20, orthogonalization="cgs2"),
-           "gmres", True, (3, 6, 3)),
-    Solver("gmres_restart5", functools.partial(sx.gmres, restart=5), "gmres", True, (2, 4, 2)),
+           "gmres", True, (4, 8, 3)),
+    Solver("gmres_restart5", functools.partial(sx.gmres, restart=5), "gmres", True, (3, 6, 2)),
     Solver("gmres_cgs2_restart5",
            functools.partial(sx.gmres, restart=5, orthogonalization="cgs2"), "gmres", True,
-           (3, 6, 3)),
-    Solver("linear_solve_gmres", _linear_solve_gmres, "gmres", True, (2, 4, 2)),
+           (4, 8, 3)),
+    Solver("linear_solve_gmres", _linear_solve_gmres, "gmres", True, (3, 6, 2)),
 ]}
 KRYLOV = {name: s.solve for name, s in SOLVERS.items()}
 # The variants with code paths of their own (the restart-5 ones differ only in size):

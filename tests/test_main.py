@@ -25,10 +25,10 @@ def test_python_m_solvax_prints_the_live_table(tmp_path):
     for case in rows:
         assert case in out  # the printed table and the JSON are the same rows
     pcg = rows["PCG"]
-    assert (pcg["devices"], pcg["primal"], pcg["adjoint"], pcg["per_step"]) == (8, 2, 4, 2)
+    assert (pcg["devices"], pcg["primal"], pcg["adjoint"], pcg["per_step"]) == (8, 3, 6, 2)
     single = rows["PCG, single_reduction=True"]
     assert (single["primal"], single["adjoint"], single["per_step"],
-            single["all_gathers"]) == (1, 2, 1, 0)
+            single["all_gathers"]) == (2, 4, 1, 0)
 
 
 def test_benchmark_collectives_json(tmp_path):

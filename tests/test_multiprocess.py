@@ -5,9 +5,11 @@ import inspect
 import json
 import os
 import pathlib
+import time
 
 import jax
 import numpy as np
+import pytest
 from helpers import mesh, put
 from multiprocess_cases import cases
 
@@ -112,3 +114,77 @@ def test_example_runs_locally():
                          text=True, timeout=150, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("converged=True") == 2
+
+
+SLEEPER = """import os, pathlib, sys, time
+pathlib.Path(sys.argv[1], f"pid-{os.environ['SOLVAX_PROCESS_ID']}").write_text(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = pathlib.Path(f"/proc/{pid}/status")
+    return not (status.exists() and "zombie" in status.read_text())
+
+
+def _pids(folder: pathlib.Path, count: int) -> list[int]:
+    return [int((folder / f"pid-{k}").read_text()) for k in range(count)
+            if (folder / f"pid-{k}").exists()]
+
+
+def test_a_failed_start_ends_the_workers_already_started(tmp_path):
+    """Worker 1's log file cannot be opened (a folder is in its place): the
+    launcher raises, and worker 0, already running, is killed first."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    logs = tmp_path / "logs"
+    (logs / "worker-1.log").mkdir(parents=True)
+    with pytest.raises(OSError):
+        distributed.launch(str(script), [str(tmp_path)], num_processes=2, timeout=60,
+                           output_dir=str(logs))
+    pids = _pids(tmp_path, 2)
+    assert all(not _alive(pid) for pid in pids), pids
+
+
+def test_an_interrupted_launcher_ends_its_workers(tmp_path):
+    """SIGINT to the launcher while its workers run: none of them survives."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    driver = tmp_path / "driver.py"
+    driver.write_text("import sys\nfrom solvax import distributed\n"
+                      f"distributed.launch({str(script)!r}, [{str(tmp_path)!r}], "
+                      "num_processes=3, timeout=100)\n")
+    launcher = subprocess.Popen([sys.executable, str(driver)], stderr=subprocess.PIPE)
+    for _ in range(600):  # guard: the workers write their pids when they start
+        if len(_pids(tmp_path, 3)) == 3:
+            break
+        time.sleep(0.05)
+    pids = _pids(tmp_path, 3)
+    assert len(pids) == 3
+    launcher.send_signal(signal.SIGINT)
+    launcher.wait(timeout=60)
+    assert launcher.returncode != 0
+    assert all(not _alive(pid) for pid in pids), pids
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(num_processes=0), ValueError), (dict(local_devices=0), ValueError),
+    (dict(timeout=0), ValueError), (dict(args="abc"), TypeError)])
+def test_launch_rejects_bad_arguments(kwargs, error):
+    with pytest.raises(error, match=f"`{next(iter(kwargs))}`"):
+        distributed.launch("worker.py", **kwargs)
+
+
+def test_initialize_outside_launch_says_so(monkeypatch):
+    for name in ("PROCESS_ID", "NUM_PROCESSES", "COORDINATOR", "LOCAL_DEVICES"):
+        monkeypatch.delenv(f"SOLVAX_{name}", raising=False)
+    with pytest.raises(RuntimeError, match="worker started by `solvax.distributed.launch`"):
+        distributed.initialize()

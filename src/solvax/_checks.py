@@ -30,7 +30,28 @@ def check_vector(name: str, tree: PyTree) -> None:
                             f"{type(leaf).__name__}. Convert it with `jnp.asarray`.")
         if not jnp.issubdtype(leaf.dtype, jnp.inexact):
             raise TypeError(f"`{name}` must have floating-point or complex leaves; got dtype "
-                            f"{leaf.dtype}. Cast it, e.g. `b.astype(jnp.float64)`.")
+                            f"{leaf.dtype}. Cast it, e.g. `{name}.astype(jnp.float64)`.")
+    if sum(int(np.size(leaf)) for leaf in leaves) == 0:
+        raise ValueError(f"`{name}` has no entries (every leaf has size 0): there is nothing "
+                         "to solve.")
+
+
+def check_precision(name: str, tree: PyTree) -> None:
+    """At least float32: 16-bit rounding (1e-3) stops any Krylov method short of
+    useful tolerances, and their reductions would need a wider accumulator."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if jnp.finfo(leaf.dtype).bits < 32:
+            raise TypeError(
+                f"`{name}` has a {jnp.dtype(leaf.dtype).name} leaf; solvax's Krylov solvers "
+                f"need float32 or wider. Cast it, e.g. `{name}.astype(jnp.float32)`, and make "
+                "the operator return that dtype.")
+
+
+def strong(tree: PyTree) -> PyTree:
+    """`tree` with weakly typed leaves made strongly typed (same dtype): solver
+    state then has one fixed type. Solutions come back strongly typed, as from
+    `jnp.linalg.solve`."""
+    return jax.tree_util.tree_map(lambda leaf: jnp.asarray(leaf, leaf.dtype), tree)
 
 
 def check_like(name: str, tree: PyTree, ref_name: str, ref: PyTree) -> None:
@@ -68,14 +89,51 @@ def check_tolerance(name: str, value) -> None:
         raise ValueError(f"`{name}` must be finite and >= 0; got {value!r}.")
 
 
-def check_int(name: str, value, minimum: int) -> int:
-    """A static integer option at least `minimum`."""
+#: Step counters are int32 (also under x64): a limit must fit one.
+INT32_MAX = 2**31 - 1
+
+
+def check_int(name: str, value, minimum: int, maximum: int = INT32_MAX) -> int:
+    """A static integer option in `[minimum, maximum]`."""
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, np.integer)):
         raise TypeError(f"`{name}` must be a Python int (it fixes loop bounds and buffer "
                         f"sizes at trace time); got {value!r}.")
     if value < minimum:
         raise ValueError(f"`{name}` must be >= {minimum}; got {value}.")
+    if value > maximum:
+        raise ValueError(f"`{name}` must be <= {maximum} (the step counters are int32); "
+                         f"got {value}.")
     return int(value)
+
+
+def check_shapes_like(name: str, tree: PyTree, ref_name: str, ref: PyTree) -> None:
+    """`tree` has `ref`'s structure and, leaf by leaf, its shape (any dtype)."""
+    if jax.tree_util.tree_structure(tree) != jax.tree_util.tree_structure(ref) or any(
+            tuple(t.shape) != tuple(r.shape) for t, r in
+            zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(ref))):
+        raise ValueError(f"`{name}` must have the structure and leaf shapes of `{ref_name}`.\n"
+                         f"  {name}: {_describe(tree)}\n  {ref_name}: {_describe(ref)}")
+
+
+def check_positive(name: str, tree: PyTree) -> None:
+    """Every entry real, finite and > 0 (checked where concrete)."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.core.Tracer):
+            continue
+        arr = np.asarray(leaf)
+        if np.iscomplexobj(arr) or not np.all(np.isfinite(arr)) or not np.all(arr > 0):
+            raise ValueError(f"`{name}` must hold finite real entries > 0 (an inner product's "
+                             "weights); got entries that are not.")
+
+
+def call_checked(name: str, fn, *args):
+    """`jax.eval_shape(fn, *args)`, a failure inside `fn` re-raised naming `name`."""
+    try:
+        return jax.eval_shape(fn, *args)
+    except Exception as e:  # the user's function failed on arguments shaped like b
+        raise TypeError(f"calling `{name}` on arguments shaped like `b` failed "
+                        f"({type(e).__name__}: {e}). It must take and return pytrees "
+                        "shaped like `b`.") from e
 
 
 def check_choice(name: str, value, choices) -> None:

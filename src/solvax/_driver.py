@@ -14,7 +14,8 @@ calls `solve`. Everything around the iteration lives in this module, once:
 3. **Implicit differentiation** (`implicit_solve`): the tangent is one
    `lax.custom_linear_solve` of `A dx = db - dA x`, whose transpose (reverse
    mode) is one solve of the same method with `A^T` (from
-   `jax.linear_transpose`), started from zero.
+   `jax.linear_transpose`), started from zero. A derivative whose solve did
+   not converge is NaN (`failed_derivative="keep"` turns this off).
 4. **Finishing** (`finish`): the true residual `||b - A x||` (one matvec and
    one reduction after the loop, unless the method measured it itself), the
    tolerance `max(atol, rtol ||b||)` and the final `Status`.
@@ -33,10 +34,11 @@ The contract a method keeps:
 - `Outcome.status` is what the loop ended on: `RUNNING` (out of steps),
   `CONVERGED` (its own residual test passed) or a breakdown status; the
   driver turns it into the final status with the true residual.
-- `Method.symmetric`: for real `b` the transposed solve may use `A` itself
-  (`A^T = A`); then, with `x0=None`, it is the primal solve.
+- The transposed solve (reverse mode) runs the same method on `A^T` (from
+  `jax.linear_transpose`, exact for symmetric operators too), from zero: a
+  method for Hermitian operators works on `A^T = conj(A)` as well.
 
-Adding a method: write `run`, register `Method(name, run, symmetric)`, call
+Adding a method: write `run`, register `Method(name, run)`, call
 `solve(method, ...)` from the public function, export it in `__init__.py`,
 and add one entry to `tests/helpers.py::SOLVERS`.
 """
@@ -54,9 +56,34 @@ import numpy as np
 from . import _checks, _reduce
 from . import _tree as tree
 from ._closure import Closed, close, transposed
-from ._solution import Solution, make_solution
+from ._solution import Solution, Status, code, make_solution
 
 PyTree = Any
+
+
+@jax.tree_util.register_pytree_node_class
+class Static:
+    """A concrete option (a Python or NumPy number) kept out of the traced
+    leaves: a tolerance given as a number stays a constant of every solve's
+    trace. (As a leaf it became an input of `custom_linear_solve`, which
+    inside `shard_map` under `grad(jit(...))` gets it as a varying value its
+    traced solve took as invariant: "mul requires varying manual axes to
+    match".)"""
+
+    def __init__(self, value):
+        self.value = value
+
+    def tree_flatten(self):
+        return (), self.value
+
+    @classmethod
+    def tree_unflatten(cls, value, _):
+        return cls(value)
+
+
+def _option(value):
+    """`value` as a `Static` where it is a concrete number, else as it is."""
+    return value if isinstance(value, jax.Array | jax.core.Tracer) else Static(value)
 
 
 class Problem(NamedTuple):
@@ -70,8 +97,8 @@ class Problem(NamedTuple):
     b: PyTree
     x0: PyTree | None = None  # None: start from zero
     precond: Closed | None = None  # r -> M r; None: the identity
-    rtol: Any = 0.0  # as given (a Python float stays one: no array to type inside
-    atol: Any = 0.0  # shard_map); `tolerances()` casts them
+    rtol: Any = 0.0  # a traced scalar, or a `Static` number; `tolerances()` reads them
+    atol: Any = 0.0
     ip: _reduce.Reduction | None = None
     data: PyTree = None  # a method's own traced arguments (linear_solve: the user's solvers)
 
@@ -79,10 +106,21 @@ class Problem(NamedTuple):
         """The real dtype of the iteration (of `b`'s common dtype, at least float32)."""
         return jnp.finfo(tree.result_dtype(self.b)).dtype
 
+    def size(self) -> int:
+        """Entries of `b` in all (static): inside `shard_map` the local size times
+        the devices along `axis_name`, so defaults that scale with the problem
+        (iteration limits, GMRES's basis size) are the same as under `jit`."""
+        axis_name = getattr(self.ip, "axis_name", None)
+        names = () if axis_name is None else (
+            axis_name if isinstance(axis_name, tuple) else (axis_name,))
+        return tree.size(self.b) * int(np.prod([jax.lax.psum(1, name) for name in names]))
+
     def tolerances(self) -> tuple[jax.Array, jax.Array]:
         """`(rtol, atol)` in `real_dtype()`."""
-        return (jnp.asarray(self.rtol, self.real_dtype()),
-                jnp.asarray(self.atol, self.real_dtype()))
+        def value(v):
+            return jnp.asarray(v.value if isinstance(v, Static) else v, self.real_dtype())
+
+        return value(self.rtol), value(self.atol)
 
 
 class Outcome(NamedTuple):
@@ -99,7 +137,6 @@ class Outcome(NamedTuple):
 class Method(NamedTuple):
     name: str
     run: Callable[..., Outcome]  # run(problem, **static options)
-    symmetric: bool  # A^T = A may be assumed for real b (the transposed solve uses A)
 
 
 METHODS: dict[str, Method] = {}
@@ -110,45 +147,119 @@ def register(method: Method) -> Method:
     return method
 
 
+def default_rtol(b) -> float:
+    """`max(1e-8, 100 eps)` for the least precise leaf of `b`: 1e-8 in float64,
+    1.2e-5 in float32 (a float32 leaf limits the accuracy of the whole solve)."""
+    return max([1e-8] + [100 * float(jnp.finfo(leaf.dtype).eps)
+                         for leaf in jax.tree_util.tree_leaves(b)])
+
+
 def make_problem(matvec, b, *, x0=None, precond=None, rtol=0.0, atol=0.0, inner_product=None,
                  axis_name=None) -> Problem:
     """The validated, closure-converted problem (see the module docstring, 1-2)."""
     _checks.check_vector("b", b)
+    _checks.check_precision("b", b)
     _checks.check_callable("matvec", matvec)
+    b = _checks.strong(b)
+    rtol = default_rtol(b) if rtol is None else rtol
     if x0 is not None:
         _checks.check_like("x0", x0, "b", b)
+        x0 = _checks.strong(x0)
     _checks.check_tolerance("rtol", rtol)
     _checks.check_tolerance("atol", atol)
     ip = _reduce.resolve(inner_product, axis_name)
+    check_inner_product(ip, b)
     return Problem(A=closed_operator("matvec", matvec, b), b=b, x0=x0,
                    precond=None if precond is None else closed_operator("precond", precond, b),
-                   rtol=rtol, atol=atol, ip=ip.closed(b))
+                   rtol=_option(rtol), atol=_option(atol), ip=ip.closed(b))
 
 
 def closed_operator(name: str, fn, b) -> Closed:
     """`fn` as a `Closed`, its output checked against `b` (on the converted
     function: the user's function is traced once)."""
     _checks.check_callable(name, fn)
+    _checks.call_checked(name, fn, b)
     A = close(fn, b)
     _checks.check_like(f"{name}(b)", jax.eval_shape(A, b), "b", b)
     return A
 
 
+def check_inner_product(ip: _reduce.Reduction, b) -> None:
+    """Weights shaped like `b` and positive; a callable product returns a
+    scalar; an `axis_name` names an axis of the enclosing `shard_map`."""
+    if isinstance(ip, _reduce.InnerProduct):
+        if ip.weight is not None:
+            _checks.check_shapes_like("inner_product.weight", ip.weight, "b", b)
+            _checks.check_positive("inner_product.weight", ip.weight)
+        if ip.axis_name is not None:
+            _check_axis_bound(ip.axis_name)
+        return
+    out = _checks.call_checked("inner_product", ip.fn, b, b)
+    if jax.tree_util.tree_structure(out).num_leaves != 1 or jnp.shape(out) != ():
+        raise ValueError("`inner_product(x, y)` must return a scalar; on vectors shaped like "
+                         f"`b` it returns {jax.tree_util.tree_map(jnp.shape, out)}. Reduce "
+                         "over every entry (e.g. `jnp.sum(jnp.conj(x) * w * y)`).")
+
+
+def _check_axis_bound(axis_name) -> None:
+    """Each name in `axis_name` is an axis of the `shard_map` this call runs in."""
+    for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
+        try:
+            jax.eval_shape(lambda name=name: jax.lax.psum(1, name))
+        except NameError as e:
+            raise ValueError(
+                f"`axis_name` {name!r} is not an axis of an enclosing `shard_map` ({e}). "
+                "Pass the mesh axis the vectors are split over, from inside `shard_map`; "
+                "under plain `jit` leave `axis_name` unset.") from e
+
+
 def solve(method: Method, matvec, b, /, *, x0, precond, rtol, atol, inner_product, axis_name,
-          **options) -> Solution:
+          failed_derivative="nan", **options) -> Solution:
     """`method` on `A x = b`, validated, differentiable and finished (1-4 above)."""
+    _checks.check_choice("failed_derivative", failed_derivative, FAILED_DERIVATIVES)
     problem = make_problem(matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                            inner_product=inner_product, axis_name=axis_name)
     run = functools.partial(_run_and_finish, method, options)
-    symmetric = method.symmetric and _checks.is_real(b)
-    # The transposed solve starts from zero; with x0=None and A^T = A it is the primal one.
-    run_transposed = None if symmetric and x0 is None else (
-        lambda p: run(p._replace(x0=None)))
-    return implicit_solve(problem, run, run_transposed, symmetric)
+    # The transposed solve: the same method on A^T, started from zero.
+    return implicit_solve(problem, run, lambda p: run(p._replace(x0=None)), failed_derivative)
 
 
-def _run_and_finish(method: Method, options: dict, problem: Problem) -> Solution:
-    return finish(problem, method.run(problem, **options), method.name)
+def _run_and_finish(method: Method, options: dict, problem: Problem):
+    """`(Solution, ok)`: the method on the problem scaled by a power of two
+    (`_scaled`), finished there, its solution and norms scaled back (exactly);
+    `ok`: the method's own stopping test passed, which is what a derivative's
+    solve is judged by (`implicit_solve`: no reduction beyond the iteration's)."""
+    scale = problem.ip.power_of_two_scale(problem.b)
+    if scale is None:  # a callable inner product: no rescaling
+        outcome = method.run(problem, **options)
+        return finish(problem, outcome, method.name), _ok(outcome)
+    scaled = _scaled(problem, scale)
+    outcome = method.run(scaled, **options)
+    sol = finish(scaled, outcome, method.name)
+    return sol._replace(x=tree.scale(scale, sol.x), residual_norm=scale * sol.residual_norm,
+                        history=None if sol.history is None else scale * sol.history), \
+        _ok(outcome)
+
+
+def _ok(outcome: Outcome) -> jax.Array:
+    return outcome.status == code(Status.CONVERGED)
+
+
+def _scaled(problem: Problem, scale) -> Problem:
+    """`A (x / s) = b / s`: the problem with `b`, `x0` and `atol` divided by `s`.
+
+    With `s` a power of two near `max |b_i|` the entries of every vector of
+    the solve are near 1, so no squared norm under- or overflows for any
+    finite scale of `b` (`||b||^2` of a float32 `b` of size 1e-20 is 0, of
+    size 1e20 Inf), and the division is exact. Costs one reduction (a max)
+    before the iteration; none in it.
+    """
+    inverse = 1 / scale
+    real = problem.real_dtype()
+    return problem._replace(
+        b=tree.scale(inverse, problem.b),
+        x0=None if problem.x0 is None else tree.scale(inverse, problem.x0),
+        atol=problem.tolerances()[1] * inverse.astype(real))
 
 
 def finish(problem: Problem, outcome: Outcome, name: str) -> Solution:
@@ -193,23 +304,55 @@ def _diagnostics_restored(out):
                         iterations=out.iterations.astype(np.int32))
 
 
-def implicit_solve(problem: Problem, run, run_transposed, symmetric: bool):
+FAILED_DERIVATIVES = ("nan", "keep")
+
+
+def solved_ok(out):
+    """`(out, ok)` for a solver that reports through a `Solution` (ok: converged)
+    or returns a bare pytree (no status: ok)."""
+    return out, (out.converged if isinstance(out, Solution) else jnp.bool_(True))
+
+
+def _solution_checked(out_ok, failed_derivative: str):
+    """The solution of `(out, ok)`; NaN where its solve failed (`"nan"`), so a
+    finite derivative is a correct one."""
+    out, ok = out_ok
+    x = solution_of(out)
+    if failed_derivative == "keep":
+        return x
+    ok = ok.astype(jnp.bool_)
+    return jax.tree_util.tree_map(lambda leaf: jnp.where(ok, leaf, jnp.nan), x)
+
+
+def implicit_solve(problem: Problem, run, run_transposed, failed_derivative: str = "nan"):
     """`run(problem)` with derivatives defined implicitly.
 
-    `run(problem)` returns a `Solution` (diagnostics kept) or the solution
-    pytree; `run_transposed(problem with A^T and another b)` solves the
-    transposed system (None: `A` is symmetric and the solve the same as the
-    primal one). Both read every traced value from their argument, so the
-    primal solve is traced once and the transposed solve only when a
+    `run(problem)` returns `(out, ok)`: a `Solution` (diagnostics kept) or the
+    solution pytree, and whether the solve succeeded by its own test (for a
+    Krylov method the iteration's test, so that judging a derivative's solve
+    costs no reduction; see `_run_and_finish`);
+    `run_transposed(problem with A^T and another b)` solves the
+    transposed system. Both read every traced value from their argument, so
+    the primal solve is traced once and the transposed solve only when a
     derivative asks for it. `A` and `b` are differentiated; the rest of the
     problem (initial guess, preconditioner, weights) is not: the solution does
     not depend on it. Diagnostics stay outside `custom_linear_solve`, so inside
     `shard_map` they keep their own (invariant) type.
+
+    `A^T` is always `jax.linear_transpose(A)`, never `A` itself, even for a
+    symmetric operator: a second derivative differentiates the transposed
+    solve, and along a perturbation of `A`'s parameters that is not symmetric
+    `d(A^T) = (dA)^T != dA` (the Hessian of a solve with respect to the entries
+    of a symmetric matrix was 91-97 % wrong when `A` stood for `A^T`). A tangent
+    or transposed solve that did not converge makes the derivative NaN unless
+    `failed_derivative="keep"`.
     """
 
     @jax.custom_jvp
     def solve_(A, b, rest):
-        return _diagnostics_as_reals(run(Problem(A, b, *rest)))
+        out, ok = run(Problem(A, b, *rest))
+        out = _diagnostics_as_reals(out)
+        return out, ok.astype(jnp.finfo(tree.result_dtype(out)).dtype)
 
     @solve_.defjvp
     def solve_jvp(primals, tangents):
@@ -219,21 +362,20 @@ def implicit_solve(problem: Problem, run, run_transposed, symmetric: bool):
         # of `solve_` itself, so higher derivatives use this rule again instead of
         # differentiating through the iteration.
         primal = close(lambda r: solve_(A, r, rest), b)
-        out = primal(b)
+        out, ok = primal(b)
         x = solution_of(out)
         _, dA_x = jax.jvp(lambda A: A(x), (A,), (dA,))
-        At = A if symmetric else transposed(A)
-
-        def transposed_solve(_, r):
-            if run_transposed is None:
-                return solution_of(primal(r))
-            return solution_of(run_transposed(Problem(At, r, *rest)))
-
-        dx = jax.lax.custom_linear_solve(A, tree.sub(db, dA_x),
-                                         lambda _, r: solution_of(primal(r)),
-                                         transposed_solve, symmetric=symmetric)
+        At = transposed(A)
+        dx = jax.lax.custom_linear_solve(
+            A, tree.sub(db, dA_x),
+            lambda _, r: _solution_checked(primal(r), failed_derivative),
+            lambda _, r: _solution_checked(run_transposed(Problem(At, r, *rest)),
+                                           failed_derivative))
         if isinstance(out, Solution):
-            return out, jax.tree_util.tree_map(jnp.zeros_like, out)._replace(x=dx)
-        return out, dx
+            dout = jax.tree_util.tree_map(jnp.zeros_like, out)._replace(x=dx)
+        else:
+            dout = dx
+        return (out, ok), (dout, jnp.zeros_like(ok))
 
-    return _diagnostics_restored(solve_(problem.A, problem.b, tuple(problem[2:])))
+    out, _ = solve_(problem.A, problem.b, tuple(problem[2:]))
+    return _diagnostics_restored(out)

@@ -69,6 +69,7 @@ class _Outer(NamedTuple):
     restarts: jax.Array
     status: jax.Array
     broke: jax.Array  # the last cycle hit a breakdown
+    stalls: jax.Array  # restarts in a row whose true residual did not decrease
     rnorm: jax.Array  # true residual norm at the last restart
     tol: jax.Array
     anorm: jax.Array
@@ -90,7 +91,7 @@ def _record(history, offset, est: _Estimate):
     m = est.z.shape[0] - 1
     estimates = est.beta / jnp.sqrt(jnp.cumsum(jnp.abs(est.z) ** 2))[1:]
     old = lax.dynamic_slice(history, (offset + 1,), (m,))
-    new = jnp.where(np.arange(m) < est.j, estimates.astype(history.dtype), old)
+    new = jnp.where(_indices(m) < est.j, estimates.astype(history.dtype), old)
     return lax.dynamic_update_slice(history.at[offset].set(est.beta), new, (offset + 1,))
 
 
@@ -100,6 +101,12 @@ def _record(history, offset, est: _Estimate):
 _NO_WRAP = ({"allow_negative_indices": False}
             if "allow_negative_indices" in inspect.signature(lax.dynamic_slice).parameters
             else {})
+
+
+def _indices(n: int) -> np.ndarray:
+    """`0..n-1` as a NumPy int32 constant: compared with the int32 step counters
+    without promotion (and folded, not computed, by XLA)."""
+    return np.arange(n, dtype=np.int32)
 
 
 def _get(x, i, axis=0):
@@ -138,7 +145,7 @@ def _finalize_column(est: _Estimate, col, column: _Column, scale, tol):
     h, hnext, finite = column
     t = jnp.sum(jnp.conj(est.z) * h[: est.z.shape[0]])  # z^H h; z is zero beyond col
     rjj = jnp.sqrt(jnp.abs(t) ** 2 / est.zz + hnext * hnext)
-    z_next = -jnp.conj(t) / hnext  # infinite for an exactly invariant space
+    z_next = -jnp.conj(t) / tree.like(hnext, t)  # infinite for an exactly invariant space
     zz = est.zz + jnp.abs(z_next) ** 2
     estimate = est.beta / jnp.sqrt(zz)
     accept = finite & (scale < rjj)  # else the column adds nothing: A is singular here
@@ -164,13 +171,13 @@ def _least_squares(H, beta, j):
     kernel, where masks from `jnp.arange` were kernels of their own.)
     """
     m = H.shape[1]
-    rows, cols = np.indices((m + 1, m + 1))
+    rows, cols = np.indices((m + 1, m + 1), dtype=np.int32)
     fill = (rows == cols + 1).astype(H.dtype)  # unit vectors below the used rows
     A = jnp.where(cols < j, jnp.pad(H, ((0, 0), (0, 1))),
                   jnp.where((rows == 0) & (cols == m), jnp.asarray(beta, H.dtype), fill))
     R = jnp.linalg.qr(A, mode="r")
     y = solve_triangular(R[:m, :m], R[:m, m], lower=False)
-    return jnp.where(np.arange(m) < j, y, 0)
+    return jnp.where(_indices(m) < j, y, 0)
 
 
 class _Context(NamedTuple):
@@ -199,7 +206,7 @@ def _cgs2_step(cy: _Cgs2Cycle, ctx: _Context) -> _Cgs2Cycle:
     j = cy.est.j
     m = cy.H.shape[1]
     z, w = _apply(ctx, tree.basis_get(cy.V, j))
-    active = np.arange(m + 1) <= j
+    active = _indices(m + 1) <= j
     with jax.named_scope("solvax.gmres.orthogonalize"):
         h1 = jnp.where(active, ctx.ip.project(cy.V, w), 0)
         w = tree.sub(w, tree.basis_combine(cy.V, h1))
@@ -232,7 +239,7 @@ def _finish_pending(cy: _OneSyncCycle, ctx: _Context, a, finite):
     normalizes the residual): `c = 0` and the estimate stays as it was.
     """
     k = cy.k
-    finished = np.arange(cy.H.shape[0]) < k
+    finished = _indices(cy.H.shape[0]) < k
     c = jnp.where(finished, a, 0)
     nu = _reduce.real_sqrt(jnp.real(_get(a, k)) - jnp.sum(jnp.abs(c) ** 2))
     # Column k - 1 is stored at column k (at k = 0 the unused column 0).
@@ -280,8 +287,9 @@ def _one_sync_step(cy: _OneSyncCycle, ctx: _Context) -> _OneSyncCycle:
     # q_k, z_k and the first pass of the next direction. Both combinations read
     # the basis before row k changes, in one pass: Q (Q^H w) = V qw_old + qw[k] q,
     # where qw_old has no entry at row k (still u).
-    qw_old = jnp.where(np.arange(cy.H.shape[0]) < k, bw, 0)
-    qk_w = (_get(bw, k) - jnp.sum(jnp.conj(c) * bw)) / nu  # <q_k, w>
+    qw_old = jnp.where(_indices(cy.H.shape[0]) < k, bw, 0)
+    nu_h = tree.like(nu, bw)  # nu in H's dtype
+    qk_w = (_get(bw, k) - jnp.sum(jnp.conj(c) * bw)) / nu_h  # <q_k, w>
     Vc, Vqw = tree.basis_combine_many(cy.V, [c, qw_old])
     q = tree.scale(1.0 / nu, tree.sub(cy.u, Vc))
     u_next = tree.scale(1.0 / nu, tree.sub(tree.sub(w, Vqw), tree.scale(qk_w, q)))
@@ -293,7 +301,7 @@ def _one_sync_step(cy: _OneSyncCycle, ctx: _Context) -> _OneSyncCycle:
     # 1..k (k still unfinished there) times c (shifted with them), plus the
     # finishing update times c[k - 1] (at k = 0, c = 0 wherever the index lands).
     Hc = cy.H @ jnp.pad(c[:-1], (1, 0)) + (finished_col - column) * _get(c, k - 1)
-    h_next = (_put(qw_old, k, qk_w) - Hc) / nu
+    h_next = (_put(qw_old, k, qk_w) - Hc) / nu_h
     # columns k - 1 and k (stored at k, k + 1) in one update; the new column is
     # read only once accepted, so it needs no mask
     H = lax.dynamic_update_slice(cy.H, jnp.stack([finished_col, h_next], axis=1),
@@ -349,16 +357,20 @@ def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int) -> _Outer:
     cycle and the update of `x`."""
     b = problem.b
     with jax.named_scope("solvax.gmres.residual"):
-        r = tree.sub(b, problem.A(st.x))
-        rr, bb = jnp.real(problem.ip.multi_dot([(r, r), (b, b)]))
+        Ax = problem.A(st.x)
+        r = tree.sub(b, Ax)
+        rr, bb, axax = jnp.real(problem.ip.multi_dot([(r, r), (b, b), (Ax, Ax)]))
     beta = _reduce.real_sqrt(rr)
     rtol, atol = problem.tolerances()
     tol = jnp.maximum(atol, rtol * _reduce.real_sqrt(bb))
     zero_b = bb == 0  # b = 0: the answer is exactly 0, whatever x0
     beta = jnp.where(zero_b, 0, beta)
+    stalls = jnp.where((st.restarts > 0) & (beta >= st.rnorm), st.stalls + 1, 0)
+    stagnated, rounding_limited = _stagnated(st, stalls, beta, bb, axax)
     # Another cycle runs if `tol < beta < inf` (comparisons only: false for NaN),
-    # the last one did not break down and restarts are left.
-    go = (tol < beta) & (beta < jnp.inf) & ~st.broke & (st.restarts < max_restarts)
+    # the last one neither broke down nor stagnated, and restarts are left.
+    go = ((tol < beta) & (beta < jnp.inf) & ~st.broke & ~stagnated
+          & (st.restarts < max_restarts))
     V, Z, H, est, anorm = arnoldi(r, beta, tol, st.anorm, go)
     y = _least_squares(H, beta, est.j)
     directions = Z if problem.precond is not None else V
@@ -370,18 +382,38 @@ def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int) -> _Outer:
                            (go, RUNNING),
                            (~(jnp.isfinite(rr) & jnp.isfinite(bb)), Status.NONFINITE),
                            (beta <= tol, Status.CONVERGED),
-                           (st.broke, Status.BREAKDOWN)], Status.MAX_STEPS)
+                           (st.broke & ~rounding_limited, Status.BREAKDOWN),
+                           (stagnated | st.broke, Status.STAGNATION)], Status.MAX_STEPS)
     return _Outer(x=x, k=st.k + est.j, restarts=st.restarts + go.astype(jnp.int32),
-                  status=status, broke=est.flag == code(Status.BREAKDOWN), rnorm=beta, tol=tol,
+                  status=status, broke=est.flag == code(Status.BREAKDOWN), stalls=stalls,
+                  rnorm=beta, tol=tol,
                   anorm=anorm, history=_record(st.history, st.k, est))
 
 
-def _options(b, restart: int, max_restarts: int | None) -> tuple[int, int]:
-    """`(restart, max_restarts)` for `b`: at most `size(b)` steps per cycle;
-    by default `ceil(10 * size(b) / restart)` cycles."""
-    restart = min(restart, tree.size(b))
+def _stagnated(st: _Outer, stalls, beta, bb, axax):
+    """`(stagnated, rounding_limited)` at a restart after a cycle.
+
+    Stagnated: more restarts cannot help, because the true residual did not
+    decrease over the last two cycles (GMRES never increases it, so the next
+    cycle would repeat these: e.g. GMRES(1) on a skew-symmetric operator; the
+    second cycle is where a singular operator shows as a breakdown) or it is
+    at the rounding level of its own evaluation, `eps (||A x|| + ||b||)`.
+    Rounding-limited: it is within `sqrt(eps)` of that scale, so a cycle that
+    found no new direction met rounding, not a singular operator (`BREAKDOWN`
+    is kept for residuals well above it, e.g. an inconsistent system).
+    """
+    eps = jnp.finfo(beta.dtype).eps
+    scale = _reduce.real_sqrt(axax) + _reduce.real_sqrt(bb)
+    ran = st.restarts > 0
+    return ran & ((stalls >= 2) | (beta <= eps * scale)), beta <= jnp.sqrt(eps) * scale
+
+
+def _options(size: int, restart: int, max_restarts: int | None) -> tuple[int, int]:
+    """`(restart, max_restarts)` for `size` unknowns: at most `size` steps per
+    cycle; by default `ceil(10 * size / restart)` cycles."""
+    restart = min(restart, size)
     if max_restarts is None:
-        max_restarts = -(-10 * tree.size(b) // restart)
+        max_restarts = -(-10 * size // restart)
     return restart, max_restarts
 
 
@@ -390,12 +422,13 @@ def _run(problem: Problem, *, restart: int, max_restarts: int | None, orthogonal
     """The FGMRES iteration (not differentiated itself; see `gmres`)."""
     b = problem.b
     real = problem.real_dtype()
-    m, max_restarts = _options(b, restart, max_restarts)
+    m, max_restarts = _options(problem.size(), restart, max_restarts)
     arnoldi = _arnoldi(problem.A, b, precond=problem.precond, ip=problem.ip, m=m,
                        orthogonalization=orthogonalization)
     x = tree.zeros_like(b) if problem.x0 is None else problem.x0
     state = _Outer(x=x, k=jnp.int32(0), restarts=jnp.int32(0), status=code(RUNNING),
-                   broke=jnp.bool_(False), rnorm=jnp.asarray(jnp.inf, real),
+                   broke=jnp.bool_(False), stalls=jnp.int32(0),
+                   rnorm=jnp.asarray(jnp.inf, real),
                    tol=jnp.zeros((), real), anorm=jnp.zeros((), real),
                    history=jnp.full((max_restarts * m + m + 1,), jnp.nan, real)
                    if record_history else None)
@@ -409,7 +442,7 @@ def _run(problem: Problem, *, restart: int, max_restarts: int | None, orthogonal
                    residual=(state.rnorm, state.tol))
 
 
-GMRES = _driver.register(_driver.Method("gmres", _run, symmetric=False))
+GMRES = _driver.register(_driver.Method("gmres", _run))
 
 
 def arnoldi_basis(matvec, b, *, restart: int, orthogonalization: str = "cgs2", precond=None,
@@ -442,12 +475,13 @@ def gmres(
     precond: Callable[[PyTree], PyTree] | None = None,
     restart: int = 30,
     max_restarts: int | None = None,
-    rtol: float = 1e-8,
+    rtol: float | None = None,
     atol: float = 0.0,
     orthogonalization: str = "one_sync",
     record_history: bool = False,
     inner_product=None,
     axis_name: str | tuple[str, ...] | None = None,
+    failed_derivative: str = "nan",
 ) -> Solution:
     """Restarted flexible GMRES (FGMRES) with right preconditioning.
 
@@ -492,13 +526,20 @@ def gmres(
             nonlinear or vary between calls (flexible GMRES).
         restart: Arnoldi steps per cycle (basis size).
         max_restarts: cycle limit (default `ceil(10 * size(b) / restart)`).
-        rtol, atol: stop when `||b - A x|| <= max(atol, rtol * ||b||)`.
+        rtol, atol: stop when `||b - A x|| <= max(atol, rtol * ||b||)`. The
+            default `rtol` depends on the precision of `b`: `max(1e-8, 100 eps)`
+            for its least precise leaf,
+            1e-8 in float64 and 1.2e-5 in float32 (1e-8 is out of float32's
+            reach: its rounding level is 6e-8).
         orthogonalization: `"one_sync"` (one reduction per step) or `"cgs2"` (two).
         record_history: store the residual norm after every accepted step in
             `Solution.history` (the true norm at each restart, the
             least-squares estimate within a cycle; NaN-padded to
             `max_restarts * restart + restart + 1`).
         inner_product: a `solvax.InnerProduct` (or `(x, y) -> scalar`).
+        failed_derivative: `"nan"` (default): a derivative (`jax.grad`,
+            `jax.jvp`) whose tangent or transposed solve did not converge is
+            NaN, so a finite derivative is a correct one; `"keep"`: as computed.
         axis_name: inside `shard_map`, the mesh axis the vectors are split over.
 
     Returns:
@@ -521,9 +562,11 @@ def gmres(
     """
     _checks.check_int("restart", restart, 1)
     if max_restarts is not None:
-        _checks.check_int("max_restarts", max_restarts, 0)
+        # accepted steps (up to max_restarts * restart) are counted in int32
+        _checks.check_int("max_restarts", max_restarts, 0, _checks.INT32_MAX // restart)
     _checks.check_choice("orthogonalization", orthogonalization, ORTHOGONALIZATIONS)
     return _driver.solve(GMRES, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
-                         inner_product=inner_product, axis_name=axis_name, restart=int(restart),
+                         inner_product=inner_product, axis_name=axis_name,
+                         failed_derivative=failed_derivative, restart=int(restart),
                          max_restarts=max_restarts, orthogonalization=orthogonalization,
                          record_history=bool(record_history))

@@ -5,19 +5,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
+from . import _checks
 from ._closure import close, transposed
-from ._driver import implicit_solve, make_problem, solution_of
+from ._driver import FAILED_DERIVATIVES, implicit_solve, make_problem, solution_of, solved_ok
 
 PyTree = Any
 Solver = Callable[[Callable[[PyTree], PyTree], PyTree], Any]
 
 
 def _primal(problem):
-    return problem.data[0](problem.b, problem.A)
+    return solved_ok(problem.data[0](problem.b, problem.A))
 
 
 def _dual(problem):
-    return problem.data[1](problem.b, problem.A)
+    return solved_ok(problem.data[1](problem.b, problem.A))
 
 
 def linear_solve(
@@ -27,6 +30,7 @@ def linear_solve(
     solver: Solver,
     transpose_solver: Solver | None = None,
     symmetric: bool = False,
+    failed_derivative: str = "nan",
 ):
     """Solve `A x = b` with `solver`, differentiated implicitly.
 
@@ -50,7 +54,15 @@ def linear_solve(
             where `vecmat` is the transpose of `matvec` (derived automatically).
             Defaults to `solver`.
         symmetric: `A^T == A` (real symmetric, or complex symmetric; *not*
-            Hermitian). Then `matvec` is used as its own transpose.
+            Hermitian). Kept for compatibility; it changes nothing: the
+            transposed operator is always `jax.linear_transpose(matvec)`
+            (exact for a symmetric operator as well, and right for second
+            derivatives along perturbations of the parameters that are not
+            symmetric, where `matvec` standing for its transpose is not).
+        failed_derivative: `"nan"` (default): a derivative whose tangent or
+            transposed solve did not converge is NaN (when `solver` returns
+            a `Solution`; a bare pytree carries no status); `"keep"`: as
+            computed.
 
     Returns:
         Whatever `solver` returns: a `Solution` (diagnostics kept, `x`
@@ -67,13 +79,18 @@ def linear_solve(
     for name, fn in (("solver", solver), ("transpose_solver", transpose_solver)):
         if (fn is not None or name == "solver") and not callable(fn):
             raise TypeError(f"`{name}` must be a function `(matvec, b) -> x`; got {fn!r}.")
+    if not isinstance(symmetric, bool):
+        raise TypeError(f"`symmetric` must be a bool; got {symmetric!r}.")
+    _checks.check_choice("failed_derivative", failed_derivative, FAILED_DERIVATIVES)
     problem = make_problem(matvec, b)
     A = problem.A
     # The user's solvers may close over anything: closing them makes those values
     # explicit (traced now, a distinct transposed solver included).
+    At = transposed(A)
     primal = close(lambda r, A: solver(A, r), b, A)
-    if symmetric and transpose_solver in (None, solver):
-        return implicit_solve(problem._replace(data=(primal,)), _primal, None, True)
-    dual = close(lambda r, At: solution_of((transpose_solver or solver)(At, r)), b,
-                 A if symmetric else transposed(A))
-    return implicit_solve(problem._replace(data=(primal, dual)), _primal, _dual, symmetric)
+    dual = close(lambda r, At: (transpose_solver or solver)(At, r), b, At)
+    for name, closed, op in (("solver", primal, A), ("transpose_solver", dual, At)):
+        _checks.check_like(f"{name}(matvec, b)", solution_of(jax.eval_shape(closed, b, op)),
+                           "b", problem.b)
+    return implicit_solve(problem._replace(data=(primal, dual)), _primal, _dual,
+                          failed_derivative)

@@ -36,9 +36,10 @@ def shard_map(f: Callable, *, mesh: Mesh, in_specs, out_specs, check: bool = Tru
     return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
-def _spec(rank: int, batch_axis: int, axis_name) -> P:
+def _spec(rank: int, batch_axis: int, axis_name, name: str) -> P:
     if not -rank <= batch_axis < rank:
-        raise ValueError(f"batch axis {batch_axis} is out of range for rank {rank}.")
+        raise ValueError(f"`{name}` = {batch_axis} is out of range for rank {rank}: pass an "
+                         f"axis in [{-rank}, {rank - 1}].")
     entries = [None] * rank
     entries[batch_axis % rank] = axis_name
     return P(*entries)
@@ -102,7 +103,7 @@ def shard_batch(
                          f"{tuple(mesh.axis_names)}.")
     in_ranks, _ = _ranks("input_rank", input_rank)
     out_ranks, many_out = _ranks("output_rank", output_rank)
-    out_specs = [_spec(r, output_batch_axis, axis_name) for r in out_ranks]
+    out_specs = [_spec(r, output_batch_axis, axis_name, "output_batch_axis") for r in out_ranks]
     out_specs = tuple(out_specs) if many_out else out_specs[0]
 
     def run(*args):
@@ -113,7 +114,8 @@ def shard_batch(
         for k, (arg, r) in enumerate(zip(args, ranks)):
             if arg.ndim != r:
                 raise ValueError(f"input {k} has rank {arg.ndim}; `input_rank` says {r}.")
-        in_specs = tuple(_spec(r, input_batch_axis, axis_name) for r in ranks)
+        in_specs = tuple(_spec(r, input_batch_axis, axis_name, "input_batch_axis")
+                         for r in ranks)
         return shard_map(local_function, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
 
     return run

@@ -36,7 +36,14 @@ from ._tridiagonal import (
 
 
 def _axis_size(axis_name) -> int:
-    return lax.psum(1, axis_name)  # a static int inside shard_map
+    """The number of devices along `axis_name` (a static int inside `shard_map`)."""
+    try:
+        return lax.psum(1, axis_name)
+    except NameError as e:
+        raise ValueError(
+            f"`axis_name` {axis_name!r} is not an axis of an enclosing `shard_map` ({e}). "
+            "Under `jit`, pass `mesh=` (the solve then runs its own `shard_map`); inside "
+            "`shard_map`, pass the mesh axis the leading axis is split over.") from e
 
 
 def _with_halo_down(x, first):

@@ -17,6 +17,7 @@ them. So no kind can silently fall back to another's products.
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import _tree as tree
 from ._closure import close
 
 PyTree = Any
@@ -54,6 +56,11 @@ class Reduction(abc.ABC):
         leaves `(m, *leaf.shape)`."""
 
     @abc.abstractmethod
+    def max_abs(self, x: PyTree) -> jax.Array | None:
+        """`max |x_i|` over every entry (one reduction), or None where this kind
+        cannot tell (then a solve is not rescaled)."""
+
+    @abc.abstractmethod
     def closed(self, like: PyTree) -> Reduction:
         """This inner product with every traced value it reads a pytree leaf."""
 
@@ -69,6 +76,19 @@ class Reduction(abc.ABC):
 
     def dot(self, x: PyTree, y: PyTree) -> jax.Array:
         return self.multi_dot([(x, y)])[0]
+
+    def power_of_two_scale(self, x: PyTree) -> jax.Array | None:
+        """A power of two near `max |x_i|` (1 for x = 0), in x's real dtype:
+        dividing by it is exact and brings the entries near 1, so no squared
+        norm of a solve under- or overflows whatever the scale of `x`. NaN or
+        Inf when `x` holds them; None where `max_abs` is."""
+        largest = self.max_abs(x)
+        if largest is None:
+            return None
+        _, exponent = jnp.frexp(jnp.where(largest > 0, largest, 1))
+        # 2^(e - 1) <= largest < 2^e; a non-finite largest propagates
+        scale = jnp.ldexp(jnp.ones_like(largest), exponent - 1)
+        return jnp.where(jnp.isfinite(largest), scale, largest)
 
     def norm(self, x: PyTree) -> jax.Array:
         return real_sqrt(self.dot(x, x))
@@ -106,17 +126,19 @@ class InnerProduct(Reduction):
         return self
 
     def _global_sum(self, partials: list[jax.Array]) -> jax.Array:
-        """Add the per-leaf partial k-vectors (or k x m blocks) and reduce them once."""
-        total = partials[0]
+        """Add the per-leaf partial k-vectors (or k x m blocks) and reduce them once
+        (in the widest leaf dtype: leaves of several precisions add explicitly)."""
+        dtype = tree.result_dtype(partials)
+        total = partials[0].astype(dtype)
         for partial in partials[1:]:
-            total = total + partial
+            total = total + partial.astype(dtype)
         if self.axis_name is not None:
             total = lax.psum(total, self.axis_name)
         return total
 
     def _leaves(self, x: PyTree, weighted: bool = False) -> list[jax.Array]:
         if weighted and self.weight is not None:
-            x = jax.tree_util.tree_map(lambda w, v: w * v, self.weight, x)
+            x = jax.tree_util.tree_map(lambda w, v: tree.like(w, v) * v, self.weight, x)
         return jax.tree_util.tree_leaves(x)
 
     def _pair_leaves(self, pairs: Sequence[Pair]) -> list[list[jax.Array]]:
@@ -125,6 +147,14 @@ class InnerProduct(Reduction):
         ys = [self._leaves(y, weighted=True) for _, y in pairs]
         return [[jnp.conj(x[leaf]) * y[leaf] for x, y in zip(xs, ys)]
                 for leaf in range(len(xs[0]))]
+
+    def max_abs(self, x: PyTree) -> jax.Array:
+        real = jnp.finfo(tree.result_dtype(x)).dtype
+        largest = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(leaf)).astype(real)
+                                                 for leaf in self._leaves(x)])
+        if self.axis_name is not None:
+            largest = lax.pmax(largest, self.axis_name)
+        return largest
 
     def multi_dot(self, pairs: Sequence[Pair]) -> jax.Array:
         # The k products stacked on a new leading axis: one sum over the vector
@@ -193,6 +223,9 @@ class _CallableInnerProduct(Reduction):
 
     def closed(self, like: PyTree) -> Reduction:
         return _CallableInnerProduct(close(self.fn, like, like))
+
+    def max_abs(self, x):
+        return None  # a user's product says nothing of the entries' range
 
     def multi_dot(self, pairs):
         return jnp.stack([jnp.asarray(self.fn(x, y)) for x, y in pairs])

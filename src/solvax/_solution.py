@@ -39,8 +39,11 @@ _MESSAGES = {
     "the operator is singular or the system inconsistent",
     Status.NONFINITE: "non-finite values (NaN or Inf) appeared in the right-hand side, "
     "the operator, the preconditioner or the iterates",
-    Status.STAGNATION: "not converged: the recursively updated residual met the tolerance "
-    "but the true residual b - A x did not (loss of accuracy); loosen `rtol`",
+    Status.STAGNATION: "not converged: the iteration stopped making progress before the true "
+    "residual b - A x met the tolerance (its own residual met it while the true one did not, "
+    "restarts stopped decreasing it, or it reached its rounding level); loosen `rtol`/`atol`, "
+    "precondition or (GMRES) raise `restart`; a residual that stays well above the tolerance "
+    "can also mean a singular operator and an inconsistent system",
 }
 
 

@@ -35,14 +35,20 @@ def sub(x: PyTree, y: PyTree) -> PyTree:
     return tree_map(jnp.subtract, x, y)
 
 
+def like(a, leaf):
+    """The scalar (or small array) `a` in `leaf`'s dtype: every mixed-dtype
+    operation casts explicitly, so solvers run under strict dtype promotion."""
+    return jnp.asarray(a).astype(leaf.dtype)
+
+
 def scale(a, x: PyTree) -> PyTree:
     """`a * x` for a scalar `a`, cast to each leaf's dtype."""
-    return tree_map(lambda leaf: (a * leaf).astype(leaf.dtype), x)
+    return tree_map(lambda leaf: like(a, leaf) * leaf, x)
 
 
 def axpy(a, x: PyTree, y: PyTree) -> PyTree:
     """`a * x + y` for a scalar `a`."""
-    return tree_map(lambda u, v: (a * u + v).astype(v.dtype), x, y)
+    return tree_map(lambda u, v: like(a, v) * u.astype(v.dtype) + v, x, y)
 
 
 def after(x: PyTree, dep: PyTree) -> PyTree:
@@ -64,8 +70,15 @@ def where(pred, x: PyTree, y: PyTree) -> PyTree:
 
 
 def result_dtype(x: PyTree):
-    """The common dtype of all leaves (at least float32)."""
-    return jnp.result_type(*jax.tree_util.tree_leaves(x), jnp.float32)
+    """The common dtype of all leaves, at least float32: complex if any leaf
+    is, as wide as the widest leaf. From the dtypes alone, so a weakly typed
+    leaf counts with its own width, and no promotion rule is consulted (the
+    same under strict dtype promotion)."""
+    dtypes = [jnp.dtype(leaf.dtype) for leaf in jax.tree_util.tree_leaves(x)]
+    bits = max([32] + [8 * jnp.finfo(d).dtype.itemsize for d in dtypes])
+    if any(jnp.issubdtype(d, jnp.complexfloating) for d in dtypes):
+        return jnp.dtype(f"complex{2 * bits}")
+    return jnp.dtype(f"float{bits}")
 
 
 def size(x: PyTree) -> int:
@@ -124,8 +137,7 @@ def basis_combine_many(basis: PyTree, coeffs: list) -> list[PyTree]:
     stacked = jnp.stack(coeffs)
 
     def combine(leaf):
-        c = stacked.astype(jnp.result_type(leaf.dtype, stacked.dtype))
-        return jnp.tensordot(c, leaf, axes=(1, 0)).astype(leaf.dtype)
+        return jnp.tensordot(like(stacked, leaf), leaf, axes=(1, 0))
 
     combined = tree_map(combine, basis)
     return [tree_map(lambda leaf, i=i: leaf[i], combined) for i in range(len(coeffs))]

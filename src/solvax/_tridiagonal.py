@@ -125,7 +125,8 @@ def tridiagonal_solve(lower, diag, upper, rhs, *, method: str = "auto"):
     """Solve tridiagonal systems along the leading axis, batched over trailing axes.
 
     Row `j` reads `lower[j] x[j-1] + diag[j] x[j] + upper[j] x[j+1] = rhs[j]`;
-    `lower[0]` and `upper[-1]` are ignored. The bands have shape `(n, *B)`,
+    `lower[0]` and `upper[-1]` are unused, whatever they hold (NaN or Inf
+    there changes nothing; their gradients are 0). The bands have shape `(n, *B)`,
     a prefix of `rhs.shape = (n, *B, *K)`: each index of `B` is its own matrix,
     each index of `K` another right-hand side for it. Every trailing axis is
     independent, so sharding any of them costs no communication.
@@ -133,7 +134,10 @@ def tridiagonal_solve(lower, diag, upper, rhs, *, method: str = "auto"):
     Thomas algorithm (no pivoting; stable for diagonally dominant or SPD
     matrices): `c'_j = u_j / (d_j - l_j c'_{j-1})`,
     `y_j = (r_j - l_j y_{j-1}) / (d_j - l_j c'_{j-1})`, then
-    `x_j = y_j - c'_j x_{j+1}`.
+    `x_j = y_j - c'_j x_{j+1}`. A pivot `d_j - l_j c'_{j-1}` that is exactly
+    zero (a singular matrix, or a nonsingular one that needs pivoting, e.g.
+    `diag[0] = 0`) gives Inf/NaN in the solution from that row on; `"lax"`
+    (partial pivoting on the CPU) solves the nonsingular ones.
 
     Differentiable with respect to all four inputs (`grad`, `jvp`, `vmap`)
     through `lax.custom_linear_solve`: the tangent is one more solve, and the
@@ -166,6 +170,7 @@ def tridiagonal_solve(lower, diag, upper, rhs, *, method: str = "auto"):
     _check_bands(lower, diag, upper, rhs)
     dtype = jnp.result_type(lower, diag, upper, rhs)
     lower, diag, upper, rhs = (jnp.asarray(a, dtype) for a in (lower, diag, upper, rhs))
+    lower, upper = lower.at[0].set(0), upper.at[-1].set(0)  # unused, whatever they hold
     solve = solver_for(method, dtype, int(diag.shape[0]))
 
     def primal(_, b):
@@ -185,11 +190,16 @@ def cyclic_tridiagonal_solve(lower, diag, upper, rhs, *, method: str = "auto"):
     """Solve periodic tridiagonal systems: `lower[0]` couples row 0 to `x[n-1]`
     and `upper[-1]` couples row `n-1` to `x[0]`.
 
-    Sherman–Morrison on top of `tridiagonal_solve`: with `gamma = -diag[0]`,
+    Sherman–Morrison on top of `tridiagonal_solve`: with a shift `gamma`,
     `u = (gamma, 0, ..., 0, upper[-1])`, `v = (1, 0, ..., 0, lower[0] / gamma)`,
     the matrix is `A' + u v^T` where `A'` is tridiagonal with
     `diag'[0] = diag[0] - gamma` and `diag'[-1] = diag[-1] - upper[-1] lower[0] / gamma`;
-    then `x = y - (v.y / (1 + v.z)) z` with `A' y = rhs`, `A' z = u`. Everything
+    then `x = y - (v.y / (1 + v.z)) z` with `A' y = rhs`, `A' z = u`. The shift
+    is `gamma = -sign(diag[0]) max(|diag[0]|, sqrt(|upper[-1] lower[0]|))`
+    (Numerical Recipes' `-diag[0]` where that is the larger): never zero for a
+    system with a nonzero corner, so `diag[0] = 0` does not divide by zero,
+    and never so small that the corner term `upper[-1] lower[0] / gamma`
+    swamps `diag[-1]`. Everything
     is per batch entry (the dot products are over the local system axis), so a
     sharded batch axis costs no communication, forward or reverse, and the
     derivative comes from the two tridiagonal solves.
@@ -214,7 +224,10 @@ def cyclic_tridiagonal_solve(lower, diag, upper, rhs, *, method: str = "auto"):
     dtype = jnp.result_type(lower, diag, upper, rhs)
     lower, diag, upper, rhs = (jnp.asarray(a, dtype) for a in (lower, diag, upper, rhs))
     alpha, beta = upper[-1], lower[0]  # A[n-1, 0] and A[0, n-1]
-    gamma = -diag[0]
+    corner = jnp.sqrt(jnp.abs(alpha * beta))
+    size = jnp.maximum(jnp.abs(diag[0]), corner)
+    sign = jnp.where(diag[0] == 0, 1, jnp.sign(diag[0]))
+    gamma = -sign * jnp.where(size > 0, size, 1).astype(dtype)
     diag_mod = diag.at[0].add(-gamma).at[-1].add(-alpha * beta / gamma)
     u = jnp.zeros_like(diag).at[0].set(gamma).at[-1].set(alpha)
     y = tridiagonal_solve(lower, diag_mod, upper, rhs, method=method)

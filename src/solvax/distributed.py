@@ -92,53 +92,85 @@ def launch(script: str, args: Sequence[str] = (), *, num_processes: int = 2,
            env: dict[str, str] | None = None) -> LaunchResult:
     """Run `python script *args` as `num_processes` cooperating JAX processes.
 
+    Every path ends the workers this call started: a normal return after they
+    exit or are killed at the deadline, and any exception or interrupt
+    (`KeyboardInterrupt` included) during start-up or supervision, which kills
+    their process groups before it propagates.
+
     Args:
         script: path of the worker script (it calls `solvax.distributed.initialize()`).
-        args: extra command-line arguments for every worker.
-        num_processes: how many processes.
-        local_devices: CPU devices per process.
-        timeout: seconds until every still-running worker is killed.
+        args: extra command-line arguments for every worker (a sequence of
+            strings, not one string).
+        num_processes: how many processes (>= 1).
+        local_devices: CPU devices per process (>= 1).
+        timeout: seconds until every still-running worker is killed (> 0).
         output_dir: where the `worker-K.log` files go (default: a new temporary folder).
         env: extra environment variables for the workers.
 
     Returns:
         A `LaunchResult`: each worker's exit code (or that it was killed) and
         the tail of its output; `.ok` and `.report()`.
+
+    Raises:
+        TypeError, ValueError: for arguments of the wrong type or range.
+        OSError: if a worker or its log file cannot be started (the workers
+            already started are killed first).
     """
+    _check_launch_args(script, args, num_processes, local_devices, timeout)
     output_dir = output_dir or tempfile.mkdtemp(prefix="solvax-launch-")
     port = free_port()
-    procs, paths = [], []
+    procs: list[subprocess.Popen] = []
+    paths = [os.path.join(output_dir, f"worker-{k}.log") for k in range(num_processes)]
     start = time.monotonic()
-    for k in range(num_processes):
-        path = os.path.join(output_dir, f"worker-{k}.log")
-        paths.append(path)
-        worker_env = _clean_env({
-            f"{ENV_PREFIX}PROCESS_ID": str(k),
-            f"{ENV_PREFIX}NUM_PROCESSES": str(num_processes),
-            f"{ENV_PREFIX}COORDINATOR": f"127.0.0.1:{port}",
-            f"{ENV_PREFIX}LOCAL_DEVICES": str(local_devices),
-            **(env or {}),
-        })
-        with open(path, "w") as out:
-            procs.append(subprocess.Popen([sys.executable, script, *args], stdout=out,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=worker_env, start_new_session=True))
-    killed = [False] * num_processes
-    deadline = start + timeout
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for k, p in enumerate(procs):
-        if p.poll() is None:
-            killed[k] = True
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # only the group this launcher started
-            except ProcessLookupError:
-                pass
-            p.wait()
+    try:
+        for k, path in enumerate(paths):
+            worker_env = _clean_env({
+                f"{ENV_PREFIX}PROCESS_ID": str(k),
+                f"{ENV_PREFIX}NUM_PROCESSES": str(num_processes),
+                f"{ENV_PREFIX}COORDINATOR": f"127.0.0.1:{port}",
+                f"{ENV_PREFIX}LOCAL_DEVICES": str(local_devices),
+                **(env or {}),
+            })
+            with open(path, "w") as out:
+                procs.append(subprocess.Popen([sys.executable, script, *args], stdout=out,
+                                              stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, env=worker_env,
+                                              start_new_session=True))
+        deadline = start + timeout
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        killed = [_kill_if_running(p) for p in procs]  # every path, exceptions included
     return LaunchResult(
         workers=tuple(WorkerResult(k, None if killed[k] else p.returncode, killed[k], paths[k],
                                    _tail(paths[k])) for k, p in enumerate(procs)),
         seconds=time.monotonic() - start)
+
+
+def _kill_if_running(proc: subprocess.Popen) -> bool:
+    """Kill the process group of a worker still running (only the group this
+    launcher started); say whether it had to be killed."""
+    if proc.poll() is not None:
+        return False
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    return True
+
+
+def _check_launch_args(script, args, num_processes, local_devices, timeout) -> None:
+    if not isinstance(script, (str, os.PathLike)):
+        raise TypeError(f"`script` must be a path; got {type(script).__name__}.")
+    if isinstance(args, (str, bytes)) or not all(isinstance(a, str) for a in args):
+        raise TypeError("`args` must be a sequence of strings, e.g. ['--steps', '10']; "
+                        f"got {args!r}.")
+    for name, value in (("num_processes", num_processes), ("local_devices", local_devices)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be an int >= 1; got {value!r}.")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"`timeout` must be a number of seconds > 0; got {timeout!r}.")
 
 
 def initialize(*, timeout: int = 20) -> tuple[int, int]:
@@ -147,9 +179,19 @@ def initialize(*, timeout: int = 20) -> tuple[int, int]:
 
     Returns:
         `(process_id, num_processes)`.
+
+    Raises:
+        RuntimeError: outside a worker started by `launch`.
     """
     import jax
 
+    missing = [name for name in ("PROCESS_ID", "NUM_PROCESSES", "COORDINATOR", "LOCAL_DEVICES")
+               if f"{ENV_PREFIX}{name}" not in os.environ]
+    if missing:
+        raise RuntimeError(
+            "`solvax.distributed.initialize()` runs in a worker started by "
+            f"`solvax.distributed.launch` (missing {', '.join(ENV_PREFIX + m for m in missing)}"
+            "). On a cluster call `jax.distributed.initialize()` instead.")
     process_id = int(os.environ[f"{ENV_PREFIX}PROCESS_ID"])
     num_processes = int(os.environ[f"{ENV_PREFIX}NUM_PROCESSES"])
     devices = int(os.environ[f"{ENV_PREFIX}LOCAL_DEVICES"])

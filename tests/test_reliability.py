@@ -1,0 +1,464 @@
+"""Never lie: answers, statuses and derivatives that are true for every input a
+user can write (dtypes, scales, failing solves, transformations, bad input).
+
+The property tests draw the dtype, the scale of `b`, the problem class and the
+solver; the rest pins one case of each class that once went wrong.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import DISTINCT, SOLVERS, random_nonsymmetric, random_spd, rel_err, rhs
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import solvax as sx
+from solvax import Status
+
+N = 24
+HYPOTHESIS = settings(max_examples=30, deadline=None,
+                      suppress_health_check=[HealthCheck.too_slow])
+
+
+# ------------------------------------------------------------------ problems
+def _indefinite(n, dtype=np.float64):
+    d = np.linspace(-1.0, 2.0, n)
+    d[np.abs(d) < 0.2] = 0.7
+    return (np.diag(d) + 0.1 * (np.eye(n, k=1) + np.eye(n, k=-1))).astype(dtype)
+
+
+def _singular(n, dtype=np.float64):
+    return np.diag(np.r_[np.linspace(1.0, 3.0, n - 1), 0.0]).astype(dtype)
+
+
+PROBLEMS = {  # name -> dense matrix builder; the solvers that take each class
+    "spd": lambda dtype: random_spd(N, seed=3, dtype=dtype),
+    "nonsymmetric": lambda dtype: random_nonsymmetric(N, seed=4, dtype=dtype),
+    "indefinite": lambda dtype: _indefinite(N, dtype),
+    "singular": lambda dtype: _singular(N, dtype),
+    "complex": lambda dtype: random_spd(
+        N, seed=5, dtype=np.complex64 if dtype == np.float32 else np.complex128),
+}
+REAL_DTYPES = [np.float32, np.float64]
+
+
+@functools.cache
+def _jitted(name, problem, dtype):
+    """The jitted solve of one (solver, problem class, dtype): `b` is its argument,
+    so every drawn scale reuses one compilation."""
+    A = jnp.asarray(PROBLEMS[problem](dtype))
+    solve = SOLVERS[name].solve
+    return A, jax.jit(lambda b: solve(lambda x: A @ x, b))
+
+
+def _true_relative_residual(A, x, b, scale):
+    """`||b - A x|| / ||b||` in float64 on the rescaled quantities (no overflow)."""
+    A64 = np.asarray(A).astype(np.complex128)
+    x64 = np.asarray(x).astype(np.complex128) / scale
+    b64 = np.asarray(b).astype(np.complex128) / scale
+    return np.linalg.norm(b64 - A64 @ x64) / np.linalg.norm(b64), \
+        np.linalg.norm(A64 @ x64) / np.linalg.norm(b64)
+
+
+def _check_truthful(name, problem, dtype, exponent, seed):
+    A, solve = _jitted(name, problem, dtype)
+    scale = 2.0 ** exponent
+    v = rhs(N, seed=seed, dtype=np.complex128 if problem == "complex" else np.float64)
+    b = (v * scale).astype(A.dtype)
+    sol = solve(b)
+    assert sol.x.dtype == b.dtype
+    true, ax = _true_relative_residual(A, sol.x, b, scale)
+    rtol = sx._driver.default_rtol(b)
+    # the solver evaluates the residual in its own precision: allow that rounding
+    rounding = 30 * float(jnp.finfo(dtype).eps) * (1 + ax)
+    status = Status(int(sol.status))
+    if status == Status.NONFINITE:  # said so (a singular operator can overflow CG's step)
+        return
+    if status == Status.CONVERGED:
+        assert true <= rtol + rounding, (name, problem, exponent, true, rtol)
+    else:
+        # not converged: either the true residual is above the tolerance, or it is
+        # within rounding of it and the solver's own evaluation said no
+        assert true > rtol - rounding, (name, problem, exponent, status, true)
+    assert np.isfinite(float(sol.residual_norm) / scale)
+
+
+# --------------------------------------------------------------- properties
+@HYPOTHESIS
+@given(name=st.sampled_from(DISTINCT), problem=st.sampled_from(list(PROBLEMS)),
+       dtype=st.sampled_from(REAL_DTYPES), data=st.data(), seed=st.integers(0, 5))
+def test_converged_means_the_true_residual_meets_the_tolerance(name, problem, dtype, data,
+                                                               seed):
+    """For every scale of b from 1e-30 to 1e30 (float32) and 1e-300 to 1e300
+    (float64), every solver and problem class: CONVERGED if and only if the
+    true relative residual meets the tolerance (up to its rounding)."""
+    if problem == "nonsymmetric" and not SOLVERS[name].nonsymmetric:
+        problem = "spd"
+    limit = 99 if dtype == np.float32 else 996  # 2^99 ~ 6e29, 2^996 ~ 7e299
+    exponent = data.draw(st.integers(-limit, limit), label="log2 scale of b")
+    _check_truthful(name, problem, dtype, exponent, seed)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(DISTINCT), dtype=st.sampled_from(REAL_DTYPES),
+       exponent=st.integers(-60, 60))
+def test_strict_dtype_promotion(name, dtype, exponent):
+    """The same under `jax_numpy_dtype_promotion='strict'` (JAX's own test
+    harness for `jax.scipy.sparse.linalg` turns it on)."""
+    with jax.numpy_dtype_promotion("strict"):
+        _jitted.cache_clear()
+        _check_truthful(name, "spd", dtype, exponent, seed=1)
+    _jitted.cache_clear()
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(DISTINCT), problem=st.sampled_from(["spd", "nonsymmetric",
+                                                                 "indefinite", "singular"]),
+       seed=st.integers(0, 5), max_steps=st.sampled_from([1, 3, None]))
+def test_a_finite_derivative_is_the_dense_derivative(name, problem, seed, max_steps):
+    """Whatever the problem (indefinite, singular, out of steps): the gradient
+    is NaN or it matches the dense one."""
+    if problem == "nonsymmetric" and not SOLVERS[name].nonsymmetric:
+        problem = "spd"
+    A = jnp.asarray(PROBLEMS[problem](np.float64))
+    limit = {} if max_steps is None else (
+        dict(max_restarts=max_steps) if SOLVERS[name].method == "gmres"
+        else dict(max_steps=max_steps))
+    solve = SOLVERS[name].solve
+    weights = jnp.asarray(np.random.default_rng(seed).standard_normal(N))
+
+    def loss(b):
+        return jnp.sum(weights * solve(lambda x: A @ x, b, rtol=1e-10, **limit).x)
+
+    b = rhs(N, seed=seed)
+    g = np.asarray(jax.grad(loss)(b))
+    if np.all(np.isfinite(g)):
+        dense = np.linalg.solve(np.asarray(A).T, np.asarray(weights))
+        assert rel_err(g, dense) < 1e-6, (name, problem)
+    else:
+        assert np.all(np.isnan(g))
+
+
+# --------------------------------------------------------------------- dtypes
+@pytest.mark.parametrize("name", DISTINCT)
+@pytest.mark.parametrize("make", [lambda: jnp.full(N, 1.0).at[3].set(0.5),
+                                  lambda: jnp.broadcast_to(jnp.asarray(2.0), (N,)).at[0].set(1.0),
+                                  lambda: jnp.full(N, 1.0).at[5].set(3.0) * jnp.asarray(2.0)],
+                         ids=["full", "scalar_array", "python_scalar"])
+def test_weakly_typed_rhs(name, make):
+    b = make()
+    assert b.weak_type
+    A = jnp.asarray(random_spd(N, seed=2))
+    sol = SOLVERS[name].solve(lambda x: A @ x, b)
+    assert bool(sol.converged) and sol.x.dtype == jnp.float64 and not sol.x.weak_type
+    assert rel_err(sol.x, np.linalg.solve(np.asarray(A), np.asarray(b))) < 1e-6
+
+
+@pytest.mark.parametrize("name", DISTINCT)
+def test_mixed_precision_pytree_under_strict_promotion(name):
+    b = {"a": jnp.linspace(1.0, 2.0, 8).astype(jnp.float32), "b": jnp.linspace(-1.0, 1.0, 8)}
+
+    def matvec(x):
+        return jax.tree_util.tree_map(lambda v: 3 * v - jnp.roll(v, 1) - jnp.roll(v, -1), x)
+
+    with jax.numpy_dtype_promotion("strict"):
+        sol = SOLVERS[name].solve(matvec, b)
+        g = jax.grad(lambda b: jnp.sum(SOLVERS[name].solve(matvec, b).x["b"] ** 2))(b)
+    assert bool(sol.converged)
+    assert sol.x["a"].dtype == jnp.float32 and sol.x["b"].dtype == jnp.float64
+    assert g["a"].dtype == jnp.float32 and np.all(np.isfinite(np.asarray(g["b"])))
+
+
+@pytest.mark.parametrize("name", DISTINCT)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_is_refused_clearly(name, dtype):
+    with pytest.raises(TypeError, match=r"float32 or wider.*astype\(jnp.float32\)"):
+        SOLVERS[name].solve(lambda x: 2 * x, jnp.ones(8, dtype))
+
+
+def test_integer_rhs_is_refused_clearly():
+    with pytest.raises(TypeError, match="`b` must have floating-point"):
+        sx.pcg(lambda x: 2 * x, jnp.arange(8))
+
+
+# ---------------------------------------------------------------------- scale
+@pytest.mark.parametrize("name", DISTINCT)
+@pytest.mark.parametrize("dtype,scale", [(np.float32, 1e-30), (np.float32, 1e-19),
+                                         (np.float32, 1e-16), (np.float32, 1e20),
+                                         (np.float32, 1e30), (np.float64, 1e-300),
+                                         (np.float64, 1e-160), (np.float64, 1e300)])
+def test_every_scale_of_b(name, dtype, scale):
+    """Once: x = 0 after 0 steps reported converged below 1e-19 (float32) and
+    1e-154 (float64), NONFINITE above 1e19 (float32)."""
+    A = jnp.asarray(random_spd(N, seed=6, dtype=dtype))
+    v = np.asarray(rhs(N, seed=2))
+    b = jnp.asarray((v * scale).astype(dtype))
+    sol = SOLVERS[name].solve(lambda x: A @ x, b)
+    assert int(sol.status) == Status.CONVERGED, sol.message
+    x = np.asarray(sol.x, np.float64) / scale
+    assert rel_err(x, np.linalg.solve(np.asarray(A, np.float64), v)) < 100 * float(
+        sx._driver.default_rtol(b))
+
+
+def test_tiny_atol_alone_is_not_a_converged_zero():
+    b = jnp.full(N, 1e-20, jnp.float32)
+    sol = sx.pcg(lambda x: 2 * x, b, rtol=0.0, atol=1e-40)
+    assert bool(sol.converged) and rel_err(sol.x, b / 2) < 1e-6 and int(sol.iterations) >= 1
+
+
+# ---------------------------------------------------------------- derivatives
+EIGEN = jnp.diag(jnp.arange(1.0, N + 1.0))
+
+
+def _eigenvector_loss(solve):
+    """`b` an eigenvector: the primal converges in one step, the transposed
+    system (right-hand side `w`, not one) needs more."""
+    w = rhs(N, seed=9)
+    return lambda b: jnp.sum(w * solve(lambda x: EIGEN @ x, b).x)
+
+
+ONE_STEP = {
+    "pcg": lambda mv, b, **kw: sx.pcg(mv, b, max_steps=1, **kw),
+    "gmres": lambda mv, b, **kw: sx.gmres(mv, b, restart=1, max_restarts=1, **kw),
+    "linear_solve": lambda mv, b, **kw: sx.linear_solve(
+        mv, b, solver=lambda A, r: sx.pcg(A, r, max_steps=1), **kw),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_STEP))
+def test_a_derivative_whose_solve_failed_is_nan(name):
+    e = jnp.zeros(N).at[4].set(1.0)
+    solve = ONE_STEP[name]
+    assert bool(solve(lambda x: EIGEN @ x, e).converged)
+    assert np.all(np.isnan(np.asarray(jax.grad(_eigenvector_loss(solve))(e))))
+    tangent = jax.jvp(_eigenvector_loss(solve), (e,), (rhs(N, seed=3),))[1]
+    assert np.isnan(float(tangent))
+    kept = jax.grad(_eigenvector_loss(functools.partial(solve, failed_derivative="keep")))(e)
+    assert np.all(np.isfinite(np.asarray(kept)))  # as computed (45-53 % wrong here)
+
+
+@pytest.mark.parametrize("name", ["pcg", "pcg_single_reduction", "pcg_pipelined"])
+def test_the_gradient_through_an_indefinite_cg_solve_is_nan(name):
+    A = jnp.asarray(_indefinite(N))
+    sol = SOLVERS[name].solve(lambda x: A @ x, rhs(N))
+    assert int(sol.status) != Status.CONVERGED
+    g = jax.grad(lambda b: jnp.sum(SOLVERS[name].solve(lambda x: A @ x, b).x ** 2))(rhs(N))
+    assert np.all(np.isnan(np.asarray(g)))  # once exactly 0
+
+
+SECOND_ORDER = {
+    "pcg": lambda M, b: sx.pcg(lambda x: M @ x, b, rtol=1e-13).x,
+    "gmres": lambda M, b: sx.gmres(lambda x: M @ x, b, rtol=1e-13).x,
+    "linear_solve": lambda M, b: sx.linear_solve(
+        lambda x: M @ x, b, solver=lambda A, r: sx.pcg(A, r, rtol=1e-13)).x,
+}
+
+
+@pytest.mark.parametrize("name", list(SECOND_ORDER))
+def test_hessian_with_respect_to_a_dense_matrix(name):
+    """Along perturbations of a symmetric matrix that are not symmetric, the
+    transposed solve must use the real transpose (once 91-97 % wrong)."""
+    M = jnp.asarray(random_spd(6, seed=7))
+    b = rhs(6, seed=8)
+
+    def loss(M):
+        return jnp.sum(SECOND_ORDER[name](M, b) ** 3)
+
+    def dense(M):
+        return jnp.sum(jnp.linalg.solve(M, b) ** 3)
+
+    assert rel_err(jax.hessian(loss)(M), jax.hessian(dense)(M)) < 1e-8
+    assert rel_err(jax.jacrev(jax.jacrev(loss))(M), jax.hessian(dense)(M)) < 1e-8
+    assert rel_err(jax.jacfwd(jax.grad(loss))(M), jax.hessian(dense)(M)) < 1e-8
+
+
+# ------------------------------------------------------------- transformations
+def _halo(x):
+    """Dirichlet 1-D Laplacian (+0.1 I) on a shard, neighbours by `ppermute`."""
+    idx = lax.axis_index("i")
+    left = lax.ppermute(x[-1:], "i", [(k, (k + 1) % 8) for k in range(8)])
+    right = lax.ppermute(x[:1], "i", [(k, (k - 1) % 8) for k in range(8)])
+    left = jnp.where(idx == 0, 0.0, left)
+    right = jnp.where(idx == 7, 0.0, right)
+    xp = jnp.concatenate([left, x, right])  # the halo of a shard, not a solver vector
+    return 2.1 * x - xp[:-2] - xp[2:]
+
+
+def _nestings(f, sm, loss):
+    return {
+        "grad(jit(shard_map))": lambda b: jax.grad(loss(jax.jit(sm)))(b),
+        "jit(grad(shard_map))": lambda b: jax.jit(jax.grad(loss(sm)))(b),
+        "shard_map(grad)": lambda b: sx.shard_map(
+            jax.grad(lambda b: jnp.sum(f(b) ** 2)), mesh=_mesh(), in_specs=P("i"),
+            out_specs=P("i"))(b),
+        "jvp(jit(shard_map))": lambda b: jax.jvp(jax.jit(sm), (b,), (b,))[1],
+        "vmap(jit(shard_map))": lambda b: jax.vmap(jax.jit(sm))(jnp.stack([b, 2 * b])),
+        "vmap(grad(shard_map))": lambda b: jax.vmap(jax.grad(loss(sm)))(jnp.stack([b, 2 * b])),
+    }
+
+
+def _mesh():
+    from helpers import mesh
+    return mesh(8)
+
+
+@pytest.mark.parametrize("name", DISTINCT)
+@pytest.mark.parametrize("nesting", list(_nestings(None, None, lambda g: g)))
+def test_every_nesting_of_transformations(name, nesting):
+    """`jit`, `grad`, `jvp`, `vmap` and `shard_map` in any order around a solve
+    with `axis_name` and a halo-exchange matvec (grad(jit(shard_map)) once
+    failed inside JAX: "mul requires varying manual axes to match")."""
+    n = 64
+    dense = 2.1 * np.eye(n) - np.eye(n, k=1) - np.eye(n, k=-1)
+
+    def f(b):
+        return SOLVERS[name].solve(_halo, b, axis_name="i", rtol=1e-10).x
+
+    sm = sx.shard_map(f, mesh=_mesh(), in_specs=P("i"), out_specs=P("i"))
+
+    def loss(g):
+        return lambda b: jnp.sum(g(b) ** 2)
+
+    b = rhs(n)
+    out = np.asarray(_nestings(f, sm, loss)[nesting](b))
+    inv = np.linalg.inv(dense)
+    x = inv @ np.asarray(b)
+    want = {"jvp(jit(shard_map))": x, "vmap(jit(shard_map))": np.stack([x, 2 * x])}.get(
+        nesting, 2 * inv.T @ x)
+    if nesting == "vmap(grad(shard_map))":
+        want = np.stack([2 * inv.T @ x, 4 * inv.T @ x])
+    assert rel_err(out, want) < 1e-7, nesting
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("weight", [jnp.zeros(N), -jnp.ones(N), jnp.full(N, jnp.nan)])
+def test_bad_weights_are_refused(weight):
+    with pytest.raises(ValueError, match=r"`inner_product.weight` must hold finite real"):
+        sx.pcg(lambda x: 2 * x, jnp.ones(N), inner_product=sx.InnerProduct(weight=weight))
+
+
+def test_weights_of_the_wrong_shape_are_refused():
+    with pytest.raises(ValueError, match=r"`inner_product.weight` must have the structure"):
+        sx.gmres(lambda x: 2 * x, jnp.ones(N), inner_product=sx.InnerProduct(weight=jnp.ones(3)))
+
+
+@pytest.mark.parametrize("option", ["max_steps", "max_restarts"])
+def test_iteration_limits_beyond_int32_are_refused(option):
+    solve = sx.pcg if option == "max_steps" else sx.gmres
+    with pytest.raises(ValueError, match=f"`{option}` must be <="):
+        solve(lambda x: 2 * x, jnp.ones(N), **{option: 2**31})
+
+
+def test_linear_solve_checks_what_its_solver_returns():
+    for bad, match in ((lambda A, r: r[:-1], "must match `b`"),
+                       (lambda A, r: r.astype(jnp.int32), "must match `b`")):
+        with pytest.raises(ValueError, match=r"`solver\(matvec, b\)` " + match):
+            sx.linear_solve(lambda x: 2 * x, jnp.ones(N), solver=bad)
+
+
+def test_a_callable_inner_product_must_return_a_scalar():
+    with pytest.raises(ValueError, match=r"`inner_product\(x, y\)` must return a scalar"):
+        sx.pcg(lambda x: 2 * x, jnp.ones(N), inner_product=lambda x, y: x * y)
+
+
+def test_a_preconditioner_that_fails_on_b_is_named():
+    with pytest.raises(TypeError, match="calling `precond` on arguments shaped like `b`"):
+        sx.pcg(lambda x: 2 * x, jnp.ones(N), precond=sx.jacobi(jnp.ones(N + 1)))
+
+
+def test_an_axis_name_that_is_not_a_mesh_axis_is_named():
+    f = sx.shard_map(lambda b: sx.pcg(lambda x: 2 * x, b, axis_name="j").x, mesh=_mesh(),
+                     in_specs=P("i"), out_specs=P("i"))
+    with pytest.raises(ValueError, match="`axis_name` 'j' is not an axis"):
+        f(jnp.ones(16))
+
+
+def test_partitioned_solve_without_mesh_outside_shard_map_is_named():
+    o = jnp.ones(16)
+    with pytest.raises(ValueError, match="pass `mesh=`"):
+        sx.partitioned_tridiagonal_solve(o, 4 * o, o, o, axis_name="i")
+
+
+def test_an_empty_rhs_is_refused():
+    with pytest.raises(ValueError, match="`b` has no entries"):
+        sx.gmres(lambda x: x, jnp.ones(0))
+
+
+def test_shard_batch_names_the_batch_axis_option():
+    with pytest.raises(ValueError, match="`output_batch_axis` = 1 is out of range"):
+        sx.shard_batch(lambda a: a, mesh=_mesh(), input_rank=1, output_rank=1,
+                       output_batch_axis=1)
+
+
+# -------------------------------------------------------------------- statuses
+def test_gmres_stagnation_is_detected():
+    """GMRES(1) on a skew-symmetric operator makes no progress: once it ran all
+    40,960 default cycles; now it stops after two and says why."""
+    S = np.triu(np.random.default_rng(0).standard_normal((64, 64)), 1)
+    S = jnp.asarray(S - S.T)
+    sol = sx.gmres(lambda x: S @ x, rhs(64), restart=1)
+    assert int(sol.status) == Status.STAGNATION and int(sol.iterations) <= 3
+
+
+def test_rounding_limited_solves_say_stagnation():
+    A = jnp.asarray(np.diag(np.linspace(1.0, 100.0, 64)))
+    for sol in (sx.gmres(lambda x: A @ x, rhs(64), rtol=0.0, atol=0.0),
+                sx.pcg(lambda x: A @ x, rhs(64), rtol=0.0, atol=0.0)):
+        assert int(sol.status) == Status.STAGNATION, sol.message  # once BREAKDOWN
+    A32 = jnp.asarray(np.diag(np.linspace(1.0, 1e4, 64)), jnp.float32)
+    sol = sx.gmres(lambda x: A32 @ x, rhs(64, dtype=np.float32), rtol=1e-9)
+    assert int(sol.status) == Status.STAGNATION, sol.message  # once MAX_STEPS
+
+
+def test_an_invariant_krylov_space_is_a_breakdown():
+    d = jnp.asarray(np.r_[np.arange(1.0, 30.0), 0.0])
+    b = jnp.zeros(30).at[0].set(1.0).at[-1].set(1.0)
+    for orthogonalization in ("one_sync", "cgs2"):
+        sol = sx.gmres(lambda x: d * x, b, orthogonalization=orthogonalization)
+        assert int(sol.status) == Status.BREAKDOWN
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_default_tolerance_fits_the_precision(x64):
+    """The README's quickstart with a right-hand side that is not an
+    eigenvector converges in float32 and in float64 with default options."""
+    dtype = jnp.float64 if x64 else jnp.float32
+    b = jnp.asarray(np.random.default_rng(0).standard_normal(64), dtype)
+
+    def matvec(x):
+        return 3.0 * x - 0.5 * jnp.roll(x, 1) - 0.5 * jnp.roll(x, -1)
+
+    for method in ("standard", "single_reduction", "pipelined"):
+        assert bool(sx.pcg(matvec, b, method=method).converged)
+    assert bool(sx.gmres(matvec, b).converged)
+
+
+# ---------------------------------------------------------- structured solves
+@pytest.mark.parametrize("method", ["thomas", "lax"])
+def test_cyclic_solve_with_a_zero_first_diagonal(method):
+    from helpers import solve_dense_tridiagonal
+
+    rng = np.random.default_rng(1)
+    lower, upper = rng.standard_normal((2, 12))
+    diag = 4.0 + rng.random(12)
+    diag[0] = 0.0
+    r = rng.standard_normal(12)
+    x = sx.cyclic_tridiagonal_solve(*map(jnp.asarray, (lower, diag, upper, r)), method=method)
+    assert rel_err(x, solve_dense_tridiagonal(lower, diag, upper, r, cyclic=True)) < 1e-10
+
+
+@pytest.mark.parametrize("method", ["thomas", "lax", "auto"])
+def test_unused_band_entries_are_unused(method):
+    rng = np.random.default_rng(2)
+    lower, upper = rng.standard_normal((2, 10))
+    diag = 4.0 + rng.random(10)
+    r = rng.standard_normal(10)
+    x = sx.tridiagonal_solve(*map(jnp.asarray, (lower, diag, upper, r)), method=method)
+    lower[0], upper[-1] = np.nan, np.inf
+    y = sx.tridiagonal_solve(*map(jnp.asarray, (lower, diag, upper, r)), method=method)
+    assert np.array_equal(np.asarray(x), np.asarray(y))
