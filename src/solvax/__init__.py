@@ -6,6 +6,7 @@ private (this file re-exports the API); `solvax.distributed` is the public
 multi-process submodule.
 """
 
+from . import _compat  # noqa: F401  (shims for the oldest supported JAX)
 from ._cg import pcg as pcg
 from ._cg import pcg_linear_solve as pcg_linear_solve
 from ._comm import CollectiveReport as CollectiveReport
