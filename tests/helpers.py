@@ -169,6 +169,8 @@ SOLVERS = {s.name: s for s in [
            functools.partial(sx.gmres, restart=5, orthogonalization="cgs2"), "gmres", True,
            (4, 8, 3)),
     Solver("linear_solve_gmres", _linear_solve_gmres, "gmres", True, (3, 6, 2)),
+    # the scale, the setup's ||r||^2 (the first rho), and two per step
+    Solver("bicgstab", sx.bicgstab, "bicgstab", True, (4, 8, 2)),
 ]}
 KRYLOV = {name: s.solve for name, s in SOLVERS.items()}
 # The variants with code paths of their own (the restart-5 ones differ only in size):

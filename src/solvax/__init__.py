@@ -7,6 +7,7 @@ multi-process submodule.
 """
 
 from . import _compat  # noqa: F401  (shims for the oldest supported JAX)
+from ._bicgstab import bicgstab as bicgstab
 from ._cg import pcg as pcg
 from ._cg import pcg_linear_solve as pcg_linear_solve
 from ._comm import CollectiveReport as CollectiveReport
@@ -29,6 +30,7 @@ from ._tridiagonal import tridiagonal_solve as tridiagonal_solve
 __version__ = "0.1.0"
 
 __all__ = [
+    "bicgstab",
     "CollectiveReport",
     "InnerProduct",
     "Solution",

@@ -35,8 +35,9 @@ _MESSAGES = {
     Status.INDEFINITE: "breakdown: non-positive curvature <p, A p> <= 0 or <r, M r> <= 0; "
     "the operator or the preconditioner is not Hermitian positive definite (or, for the "
     "single-reduction and pipelined recurrences, rounding at their attainable accuracy)",
-    Status.BREAKDOWN: "breakdown: the Krylov space became invariant before the tolerance was met; "
-    "the operator is singular or the system inconsistent",
+    Status.BREAKDOWN: "breakdown: GMRES's Krylov space became invariant before the tolerance "
+    "was met (the operator is singular or the system inconsistent), or BiCGStab's rho = <r0, r>, "
+    "<r0, A M p>, omega or <t, t> vanished (restart from x, or use GMRES)",
     Status.NONFINITE: "non-finite values (NaN or Inf) appeared in the right-hand side, "
     "the operator, the preconditioner or the iterates",
     Status.STAGNATION: "not converged: the iteration stopped making progress before the true "

@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ._bicgstab import bicgstab
 from ._cg import pcg
 from ._comm import count_collectives
 from ._gmres import gmres
@@ -89,6 +90,7 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
         "FGMRES(16), CGS2 orthogonalization": (
             lambda d, b: gmres(_diag(d), b, restart=16, orthogonalization="cgs2").x,
             (diag, vec())),
+        "BiCGStab": (lambda d, b: bicgstab(_diag(d), b).x, (diag, vec())),
         "shard_map: PCG, single_reduction (axis_name)": (_shard_mapped(
             mesh, lambda d, b, **kw: pcg(_diag(d), b, single_reduction=True, **kw).x),
             (diag, vec())),
@@ -97,6 +99,8 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
             (diag, vec())),
         "shard_map: FGMRES(16) (axis_name)": (_shard_mapped(
             mesh, lambda d, b, **kw: gmres(_diag(d), b, restart=16, **kw).x), (diag, vec())),
+        "shard_map: BiCGStab (axis_name)": (_shard_mapped(
+            mesh, lambda d, b, **kw: bicgstab(_diag(d), b, **kw).x), (diag, vec())),
         "pytree PCG, P('i') + P(None,'i') leaves": (
             lambda d, b: pcg(_diag(d), b).x, (tree_d, tree_b)),
         "pytree PCG single_reduction, P('i') + P(None,'i')": (
