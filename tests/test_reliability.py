@@ -462,3 +462,13 @@ def test_unused_band_entries_are_unused(method):
     lower[0], upper[-1] = np.nan, np.inf
     y = sx.tridiagonal_solve(*map(jnp.asarray, (lower, diag, upper, r)), method=method)
     assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_bicgstab_breakdown_is_reported():
+    """A skew-symmetric operator: <r0, A r0> = 0, so the first step's
+    <r0, v> vanishes (BiCGStab's classic breakdown), reported as such."""
+    S = np.triu(np.random.default_rng(1).standard_normal((16, 16)), 1)
+    S = jnp.asarray(S - S.T)
+    sol = sx.bicgstab(lambda x: S @ x, rhs(16))
+    assert int(sol.status) == Status.BREAKDOWN and int(sol.iterations) == 0
+    assert "BiCGStab" in sol.message

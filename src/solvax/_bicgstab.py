@@ -38,6 +38,7 @@ class _Context(NamedTuple):
     M: Callable
     ip: _reduce.Reduction
     shadow: PyTree  # r0, the fixed shadow residual
+    shadow_norm: jax.Array  # ||r0||
     tol2: jax.Array  # max(atol, rtol ||b||)^2
     max_steps: int
 
@@ -46,6 +47,13 @@ def _nonzero(value):
     """`value`, with 0 replaced by 1: a division whose result a zero makes
     unused (the step is flagged as a breakdown instead)."""
     return jnp.where(value == 0, jnp.ones_like(value), value)
+
+
+def _negligible(product, norm_a, norm_b):
+    """`|<a, b>| <= 100 eps ||a|| ||b||`: zero up to rounding, so dividing by
+    it (or by a coefficient made of it) would amplify rounding, not progress."""
+    eps = jnp.finfo(norm_a.dtype).eps
+    return jnp.abs(product) <= 100 * eps * norm_a * norm_b
 
 
 def _directions(st: _State, ctx: _Context):
@@ -61,14 +69,14 @@ def _directions(st: _State, ctx: _Context):
 
 def _step(st: _State, ctx: _Context) -> _State:
     """One BiCGStab step (van der Vorst 1992, right-preconditioned), its products
-    grouped into two reductions: `[<r0, v>, <r, r>]` (the check of the step's
+    grouped into two reductions: `[<r0, v>, <r, r>, <v, v>]` (the check of the step's
     starting residual rides along) and `[<t, s>, <t, t>, <s, s>, <r0, s>,
     <r0, t>]`, which give `omega`, the next `rho = <r0, s> - omega <r0, t>` and
     the half-step check `||s||`. A step at the step limit only checks."""
     p, phat, v = _directions(st, ctx)
     with jax.named_scope("solvax.bicgstab.reduce"):
-        rv, rr = ctx.ip.multi_dot([(ctx.shadow, v), (st.r, st.r)])
-    rr = jnp.real(rr)
+        rv, rr, vv = ctx.ip.multi_dot([(ctx.shadow, v), (st.r, st.r), (v, v)])
+    rr, vv = jnp.real(rr), jnp.real(vv)
     history = None if st.history is None else st.history.at[st.k].set(_reduce.real_sqrt(rr))
     alpha = st.rho / _nonzero(rv)
     s = tree.axpy(-alpha, v, st.r)
@@ -86,12 +94,17 @@ def _step(st: _State, ctx: _Context) -> _State:
     finite = jnp.isfinite(rr) & jnp.isfinite(jnp.abs(rv)) & jnp.isfinite(ss) & jnp.isfinite(
         jnp.abs(ts))
     half = ss <= ctx.tol2  # s meets the tolerance: x + alpha M p is the answer
+    norm = _reduce.real_sqrt
+    lost_alpha = _negligible(rv, ctx.shadow_norm, norm(vv))  # <r0, A M p> ~ 0
+    lost_omega = (tt == 0) | _negligible(ts, norm(tt), norm(ss))  # t orthogonal to s
+    # <r0, r_next> ~ 0, with ||r_next|| <= ||s|| + |omega| ||t||
+    lost_rho = _negligible(rho, ctx.shadow_norm, norm(ss) + jnp.abs(omega) * norm(tt))
     status = first_status([(done, Status.CONVERGED), (limit, RUNNING),
-                           (~finite, Status.NONFINITE), (rv == 0, Status.BREAKDOWN),
+                           (~finite, Status.NONFINITE), (lost_alpha, Status.BREAKDOWN),
                            (half, Status.CONVERGED),
-                           ((tt == 0) | (omega == 0) | (rho == 0), Status.BREAKDOWN)], RUNNING)
-    take_alpha = ~done & ~limit & finite & (rv != 0)
-    take_omega = take_alpha & ~half & (tt != 0)
+                           (lost_omega | lost_rho, Status.BREAKDOWN)], RUNNING)
+    take_alpha = ~done & ~limit & finite & ~lost_alpha
+    take_omega = take_alpha & ~half & ~lost_omega
     x = tree.axpy(jnp.where(take_alpha, alpha, jnp.zeros_like(alpha)), phat, st.x)
     x = tree.axpy(jnp.where(take_omega, omega, jnp.zeros_like(omega)), shat, x)
     return _State(x=x, r=tree.axpy(-omega, t, s), p=p, v=v, rho=rho, rho_prev=st.rho,
@@ -126,7 +139,7 @@ def _run(problem: Problem, *, max_steps: int | None, record_history: bool) -> Ou
         x, r, rr, bb, history = _start(problem, real, record_history, max_steps)
     tol2 = jnp.maximum(atol * atol, rtol * rtol * bb)
     ctx = _Context(A=problem.A, M=problem.precond or (lambda v: v), ip=problem.ip, shadow=r,
-                   tol2=tol2, max_steps=max_steps)
+                   shadow_norm=_reduce.real_sqrt(rr), tol2=tol2, max_steps=max_steps)
     one = jnp.ones((), tree.result_dtype(problem.b))
     state = _State(x=x, r=r, p=tree.zeros_like(r), v=tree.zeros_like(r), rho=rr.astype(one.dtype),
                    rho_prev=one, alpha=one, omega=one, k=jnp.int32(0), go=jnp.bool_(True),
@@ -160,7 +173,7 @@ def bicgstab(
         v = A M p,  alpha = rho / <r0, v>,  t = A M s,  omega = <t, s> / <t, t>,
         x += alpha M p + omega M s,  r = s - omega t
 
-    two matvecs and **two synchronizations** per step: `[<r0, v>, <r, r>]`,
+    two matvecs and **two synchronizations** per step: `[<r0, v>, <r, r>, <v, v>]`,
     then `[<t, s>, <t, t>, <s, s>, <r0, s>, <r0, t>]` (the next `rho` follows
     from the last two, so it needs no reduction of its own).
 
@@ -169,8 +182,10 @@ def bicgstab(
          residual check share the other products' reductions.
       2. Right preconditioning: the residual tested is `b - A x` itself.
       3. `converged` is decided on the true residual after the loop; a
-         vanishing `<r0, v>`, `<t, t>`, `omega` or `rho` stops the loop as
-         `Status.BREAKDOWN` (restart from `x`, or use `gmres`).
+         `<r0, v>`, `<t, s>` or `rho` that is zero up to rounding (below
+         `100 eps` times the norms, which the reductions carry) stops the loop
+         as `Status.BREAKDOWN` instead of dividing by it (restart from `x`,
+         or use `gmres`).
       4. Differentiable by implicit differentiation: one more BiCGStab solve
          with the transposed operator.
 
