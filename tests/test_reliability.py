@@ -472,3 +472,16 @@ def test_bicgstab_breakdown_is_reported():
     sol = sx.bicgstab(lambda x: S @ x, rhs(16))
     assert int(sol.status) == Status.BREAKDOWN and int(sol.iterations) == 0
     assert "BiCGStab" in sol.message
+
+
+def test_a_coupled_solve_inside_shard_map_needs_axis_name():
+    """The matvec exchanges halos over 'i' but no `axis_name` was given: the
+    reductions would be local, each shard solving its own piece."""
+    f = sx.shard_map(lambda b: sx.pcg(_halo, b).x, mesh=_mesh(), in_specs=P("i"),
+                     out_specs=P("i"))
+    with pytest.raises(ValueError, match=r"`matvec` communicates over the mesh axes \['i'\]"):
+        f(jnp.ones(64))
+    # a local operator per shard (independent systems, e.g. `shard_batch`) is fine
+    g = sx.shard_map(lambda b: sx.pcg(lambda x: 2 * x, b).x, mesh=_mesh(), in_specs=P("i"),
+                     out_specs=P("i"))
+    assert rel_err(g(jnp.ones(64)), np.full(64, 0.5)) < 1e-12

@@ -144,6 +144,7 @@ def _run(problem: Problem, *, max_steps: int | None, record_history: bool) -> Ou
     state = _State(x=x, r=r, p=tree.zeros_like(r), v=tree.zeros_like(r), rho=rr.astype(one.dtype),
                    rho_prev=one, alpha=one, omega=one, k=jnp.int32(0), go=jnp.bool_(True),
                    status=jnp.int32(RUNNING), history=history)
+    state = problem.ip.typed_like_results(state, problem.b)
     state = lax.while_loop(lambda st: st.go, functools.partial(_step, ctx=ctx), state)
     return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history)
 

@@ -283,6 +283,7 @@ def _run(problem: Problem, *, method: str, max_steps: int | None, residual_repla
     # Up to max_steps steps, then one that only checks the residual it reduces
     # anyway (no update): at the limit, the loop's own test still says whether
     # x converged, with no reduction after the loop.
+    state = problem.ip.typed_like_results(state, problem.b)
     state = lax.while_loop(lambda st: st.sc.go & (st.sc.k <= max_steps),
                            functools.partial(step, ctx=ctx), state)
     sc = state.sc

@@ -169,9 +169,13 @@ def make_problem(matvec, b, *, x0=None, precond=None, rtol=0.0, atol=0.0, inner_
     _checks.check_tolerance("atol", atol)
     ip = _reduce.resolve(inner_product, axis_name)
     check_inner_product(ip, b)
-    return Problem(A=closed_operator("matvec", matvec, b), b=b, x0=x0,
-                   precond=None if precond is None else closed_operator("precond", precond, b),
-                   rtol=_option(rtol), atol=_option(atol), ip=ip.closed(b))
+    A = closed_operator("matvec", matvec, b)
+    M = None if precond is None else closed_operator("precond", precond, b)
+    for name, op in (("matvec", A), ("precond", M)):
+        if op is not None and isinstance(ip, _reduce.InnerProduct):
+            _check_reduced_over(name, op, b, ip.axis_name)
+    return Problem(A=A, b=b, x0=x0, precond=M, rtol=_option(rtol), atol=_option(atol),
+                   ip=ip.closed(b))
 
 
 def closed_operator(name: str, fn, b) -> Closed:
@@ -199,6 +203,42 @@ def check_inner_product(ip: _reduce.Reduction, b) -> None:
         raise ValueError("`inner_product(x, y)` must return a scalar; on vectors shaped like "
                          f"`b` it returns {jax.tree_util.tree_map(jnp.shape, out)}. Reduce "
                          "over every entry (e.g. `jnp.sum(jnp.conj(x) * w * y)`).")
+
+
+#: Primitives that name mesh axes without communicating.
+_LOCAL_AXIS_PRIMITIVES = {"pvary", "pcast", "axis_index", "pbroadcast"}
+
+
+def _axes_communicated(jaxpr) -> set:
+    """The mesh axes a jaxpr's collectives (`ppermute`, `psum`, ...) run over."""
+    axes = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in _LOCAL_AXIS_PRIMITIVES:
+            for key in ("axis_name", "axes"):
+                names = eqn.params.get(key, ())
+                names = names if isinstance(names, tuple | list) else (names,)
+                axes.update(n for n in names if isinstance(n, str))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    axes |= _axes_communicated(inner)
+    return axes
+
+
+def _check_reduced_over(name: str, op, b, axis_name) -> None:
+    """An operator that communicates over a mesh axis (a halo exchange inside
+    `shard_map`) couples the shards, so the inner products must reduce over
+    that axis too: without `axis_name` every shard would run its own solve."""
+    reduced = set(() if axis_name is None else
+                  axis_name if isinstance(axis_name, tuple) else (axis_name,))
+    missing = _axes_communicated(jax.make_jaxpr(op)(b).jaxpr) - reduced
+    if missing:
+        raise ValueError(
+            f"`{name}` communicates over the mesh axes {sorted(missing)} (inside `shard_map`), "
+            f"but the inner products do not reduce over them: every shard would solve its "
+            f"own piece. Pass `axis_name={sorted(missing)[0]!r}` (or an `InnerProduct` with "
+            "that `axis_name`).")
 
 
 def _check_axis_bound(axis_name) -> None:

@@ -342,6 +342,7 @@ def _arnoldi(A, b, *, precond, ip, m, orthogonalization):
     def run(r, beta, tol, anorm, go):
         ctx = _Context(A=A, precond=precond, ip=ip, tol=tol, tiny=100 * jnp.finfo(real).eps)
         cy = _new_cycle(one_sync, basis_V, basis_Z, r, beta, anorm, go, m, dtype)
+        cy = ip.typed_like_results(cy, b)
         cy = lax.while_loop(lambda c: (c.est.flag == RUNNING) & (c.k < steps),
                             functools.partial(step, ctx=ctx), cy)
         # One-sync stores H one column to the right (a step then writes the column
@@ -435,6 +436,7 @@ def _run(problem: Problem, *, restart: int, max_restarts: int | None, orthogonal
     # Each pass starts with the true residual; a pass with nothing left to do
     # (converged, broken down or out of restarts) ends the loop after that check,
     # so the driver needs no residual of its own.
+    state = problem.ip.typed_like_results(state, b)
     state = lax.while_loop(lambda st: st.status == RUNNING,
                            functools.partial(_cycle, problem=problem, arnoldi=arnoldi,
                                              max_restarts=max_restarts), state)

@@ -77,6 +77,29 @@ class Reduction(abc.ABC):
     def dot(self, x: PyTree, y: PyTree) -> jax.Array:
         return self.multi_dot([(x, y)])[0]
 
+    def reduced_axes(self) -> tuple:
+        """The mesh axes this product reduces over (inside `shard_map`)."""
+        return ()
+
+    def typed_like_results(self, tree_: PyTree, like: PyTree) -> PyTree:
+        """`tree_` (a loop's starting state) made varying over the mesh axes
+        this product's results on vectors `like` vary over: inside `shard_map`,
+        a solve of independent per-shard systems (no `axis_name`) reduces
+        locally, and its loop carries must start with the type they end with."""
+        axes = set(_varying_axes(like)) - set(self.reduced_axes())
+        if not axes:
+            return tree_
+
+        def vary(leaf):
+            missing = tuple(sorted(axes - set(_varying_axes(leaf))))
+            if not missing:
+                return leaf
+            if hasattr(lax, "pcast"):
+                return lax.pcast(leaf, missing, to="varying")
+            return lax.pvary(leaf, missing)  # jax 0.6 to 0.8
+
+        return jax.tree_util.tree_map(vary, tree_)
+
     def power_of_two_scale(self, x: PyTree) -> jax.Array | None:
         """A power of two near `max |x_i|` (1 for x = 0), in x's real dtype:
         dividing by it is exact and brings the entries near 1, so no squared
@@ -124,6 +147,11 @@ class InnerProduct(Reduction):
 
     def closed(self, like: PyTree) -> InnerProduct:
         return self
+
+    def reduced_axes(self) -> tuple:
+        if self.axis_name is None:
+            return ()
+        return self.axis_name if isinstance(self.axis_name, tuple) else (self.axis_name,)
 
     def _global_sum(self, partials: list[jax.Array]) -> jax.Array:
         """Add the per-leaf partial k-vectors (or k x m blocks) and reduce them once
@@ -235,6 +263,20 @@ class _CallableInnerProduct(Reduction):
                                  for x in xs])
         products = self.multi_dot(pairs) if pairs else jnp.zeros((0,), projections.dtype)
         return projections, products
+
+
+def _varying_axes(tree_: PyTree) -> set:
+    """The mesh axes any leaf varies over (empty outside `shard_map`, and on
+    JAX versions without varying-axis types)."""
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:
+        return set()
+
+    def axes(aval):
+        manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.9; before: `vma`
+        return manual.varying if manual is not None else getattr(aval, "vma", ())
+
+    return {axis for leaf in jax.tree_util.tree_leaves(tree_) for axis in axes(typeof(leaf))}
 
 
 def _sum_vector_axes(stacked: jax.Array) -> jax.Array:
