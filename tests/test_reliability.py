@@ -485,3 +485,18 @@ def test_a_coupled_solve_inside_shard_map_needs_axis_name():
     g = sx.shard_map(lambda b: sx.pcg(lambda x: 2 * x, b).x, mesh=_mesh(), in_specs=P("i"),
                      out_specs=P("i"))
     assert rel_err(g(jnp.ones(64)), np.full(64, 0.5)) < 1e-12
+
+
+BROKEN = jnp.asarray(np.r_[np.arange(1.0, N), 0.0])  # singular: a zero eigenvalue
+
+
+@pytest.mark.parametrize("name", ["gmres", "linear_solve_gmres", "bicgstab"])
+def test_a_derivative_through_a_breakdown_is_nan(name):
+    """An invariant Krylov space of a singular operator (BREAKDOWN, or for
+    BiCGStab the residual stuck at the null-space part): the gradient's
+    transposed solve fails too, and the gradient says so."""
+    b = jnp.zeros(N).at[0].set(1.0).at[-1].set(1.0)
+    sol = SOLVERS[name].solve(lambda x: BROKEN * x, b)
+    assert not bool(sol.converged)
+    g = jax.grad(lambda b: jnp.sum(SOLVERS[name].solve(lambda x: BROKEN * x, b).x ** 2))(b)
+    assert np.all(np.isnan(np.asarray(g)))
