@@ -169,13 +169,9 @@ def make_problem(matvec, b, *, x0=None, precond=None, rtol=0.0, atol=0.0, inner_
     _checks.check_tolerance("atol", atol)
     ip = _reduce.resolve(inner_product, axis_name)
     check_inner_product(ip, b)
-    A = closed_operator("matvec", matvec, b)
-    M = None if precond is None else closed_operator("precond", precond, b)
-    for name, op in (("matvec", A), ("precond", M)):
-        if op is not None and isinstance(ip, _reduce.InnerProduct):
-            _check_reduced_over(name, op, b, ip.axis_name)
-    return Problem(A=A, b=b, x0=x0, precond=M, rtol=_option(rtol), atol=_option(atol),
-                   ip=ip.closed(b))
+    return Problem(A=closed_operator("matvec", matvec, b), b=b, x0=x0,
+                   precond=None if precond is None else closed_operator("precond", precond, b),
+                   rtol=_option(rtol), atol=_option(atol), ip=ip.closed(b))
 
 
 def closed_operator(name: str, fn, b) -> Closed:
@@ -259,6 +255,10 @@ def solve(method: Method, matvec, b, /, *, x0, precond, rtol, atol, inner_produc
     _checks.check_choice("failed_derivative", failed_derivative, FAILED_DERIVATIVES)
     problem = make_problem(matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                            inner_product=inner_product, axis_name=axis_name)
+    if isinstance(problem.ip, _reduce.InnerProduct):  # a callable product reduces as it likes
+        for name, op in (("matvec", problem.A), ("precond", problem.precond)):
+            if op is not None:
+                _check_reduced_over(name, op, problem.b, problem.ip.axis_name)
     run = functools.partial(_run_and_finish, method, options)
     # The transposed solve: the same method on A^T, started from zero.
     return implicit_solve(problem, run, lambda p: run(p._replace(x0=None)), failed_derivative)
