@@ -500,3 +500,13 @@ def test_a_derivative_through_a_breakdown_is_nan(name):
     assert not bool(sol.converged)
     g = jax.grad(lambda b: jnp.sum(SOLVERS[name].solve(lambda x: BROKEN * x, b).x ** 2))(b)
     assert np.all(np.isnan(np.asarray(g)))
+
+
+def test_a_solution_too_large_for_the_dtype_is_nonfinite():
+    """A singular operator at the top of float64's range: the scaled solve is
+    fine, but x times the scale overflows; the status says so (it said
+    INDEFINITE with an infinite x)."""
+    A = jnp.asarray(_singular(N))
+    for solve in (sx.pcg, functools.partial(sx.pcg, method="single_reduction"), sx.gmres):
+        sol = solve(lambda x: A @ x, rhs(N) * 2.0**972)
+        assert np.all(np.isfinite(np.asarray(sol.x))) or int(sol.status) == Status.NONFINITE

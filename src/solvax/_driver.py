@@ -130,8 +130,8 @@ class Outcome(NamedTuple):
     status: jax.Array  # RUNNING, CONVERGED (by the method's own test) or a breakdown
     iterations: jax.Array
     history: jax.Array | None = None
-    # (||b - A x||, max(atol, rtol ||b||)) when the method measured them itself
-    residual: tuple[jax.Array, jax.Array] | None = None
+    # (||b - A x||, max(atol, rtol ||b||), ||x||) when the method measured them itself
+    residual: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
 
 class Method(NamedTuple):
@@ -275,10 +275,7 @@ def _run_and_finish(method: Method, options: dict, problem: Problem):
         return finish(problem, outcome, method.name), _ok(outcome)
     scaled = _scaled(problem, scale)
     outcome = method.run(scaled, **options)
-    sol = finish(scaled, outcome, method.name)
-    return sol._replace(x=tree.scale(scale, sol.x), residual_norm=scale * sol.residual_norm,
-                        history=None if sol.history is None else scale * sol.history), \
-        _ok(outcome)
+    return finish(scaled, outcome, method.name, scale), _ok(outcome)
 
 
 def _ok(outcome: Outcome) -> jax.Array:
@@ -302,20 +299,30 @@ def _scaled(problem: Problem, scale) -> Problem:
         atol=problem.tolerances()[1] * inverse.astype(real))
 
 
-def finish(problem: Problem, outcome: Outcome, name: str) -> Solution:
-    """The `Solution`: the true residual decides `converged` (module docstring, 4)."""
+def finish(problem: Problem, outcome: Outcome, name: str, scale=None) -> Solution:
+    """The `Solution`: the true residual decides `converged` (module docstring,
+    4); with `scale`, the problem was `_scaled` by it and `x` and the norms are
+    scaled back (exactly), a solution too large for the dtype being
+    `NONFINITE` (`||x||` rides in the residual's reduction)."""
     if outcome.residual is None:
         with jax.named_scope(f"solvax.{name}.true_residual"):
             r = tree.sub(problem.b, problem.A(outcome.x))
-            # ||b|| rides along in the same reduction.
-            rr, bb = jnp.real(problem.ip.multi_dot([(r, r), (problem.b, problem.b)]))
-        norm = _reduce.real_sqrt(rr)
+            # ||b|| and ||x|| ride along in the same reduction.
+            rr, bb, xx = jnp.real(problem.ip.multi_dot([(r, r), (problem.b, problem.b),
+                                                         (outcome.x, outcome.x)]))
+        norm, xnorm = _reduce.real_sqrt(rr), _reduce.real_sqrt(xx)
         rtol, atol = problem.tolerances()
         tol = jnp.maximum(atol, rtol * _reduce.real_sqrt(bb))
     else:
-        norm, tol = outcome.residual
-    return make_solution(outcome.x, outcome.status, outcome.iterations, norm, tol,
-                         history=outcome.history)
+        norm, tol, xnorm = outcome.residual
+    if scale is None:
+        return make_solution(outcome.x, outcome.status, outcome.iterations, norm, tol,
+                             history=outcome.history)
+    # decided in the scaled problem, where the norms neither under- nor overflow
+    status = jnp.where(jnp.isfinite(scale * xnorm), outcome.status, code(Status.NONFINITE))
+    sol = make_solution(tree.scale(scale, outcome.x), status, outcome.iterations, norm, tol,
+                        history=None if outcome.history is None else scale * outcome.history)
+    return sol._replace(residual_norm=scale * norm)
 
 
 # ----------------------------------------------------------- differentiation

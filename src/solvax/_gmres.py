@@ -71,6 +71,7 @@ class _Outer(NamedTuple):
     broke: jax.Array  # the last cycle hit a breakdown
     stalls: jax.Array  # restarts in a row whose true residual did not decrease
     rnorm: jax.Array  # true residual norm at the last restart
+    xnorm: jax.Array  # ||x|| there
     tol: jax.Array
     anorm: jax.Array
     history: jax.Array | None  # residual norm per accepted step (if recorded)
@@ -360,7 +361,8 @@ def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int) -> _Outer:
     with jax.named_scope("solvax.gmres.residual"):
         Ax = problem.A(st.x)
         r = tree.sub(b, Ax)
-        rr, bb, axax = jnp.real(problem.ip.multi_dot([(r, r), (b, b), (Ax, Ax)]))
+        rr, bb, axax, xx = jnp.real(problem.ip.multi_dot([(r, r), (b, b), (Ax, Ax),
+                                                          (st.x, st.x)]))
     beta = _reduce.real_sqrt(rr)
     rtol, atol = problem.tolerances()
     tol = jnp.maximum(atol, rtol * _reduce.real_sqrt(bb))
@@ -387,7 +389,7 @@ def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int) -> _Outer:
                            (stagnated | st.broke, Status.STAGNATION)], Status.MAX_STEPS)
     return _Outer(x=x, k=st.k + est.j, restarts=st.restarts + go.astype(jnp.int32),
                   status=status, broke=est.flag == code(Status.BREAKDOWN), stalls=stalls,
-                  rnorm=beta, tol=tol,
+                  rnorm=beta, xnorm=_reduce.real_sqrt(xx), tol=tol,
                   anorm=anorm, history=_record(st.history, st.k, est))
 
 
@@ -429,7 +431,7 @@ def _run(problem: Problem, *, restart: int, max_restarts: int | None, orthogonal
     x = tree.zeros_like(b) if problem.x0 is None else problem.x0
     state = _Outer(x=x, k=jnp.int32(0), restarts=jnp.int32(0), status=code(RUNNING),
                    broke=jnp.bool_(False), stalls=jnp.int32(0),
-                   rnorm=jnp.asarray(jnp.inf, real),
+                   rnorm=jnp.asarray(jnp.inf, real), xnorm=jnp.zeros((), real),
                    tol=jnp.zeros((), real), anorm=jnp.zeros((), real),
                    history=jnp.full((max_restarts * m + m + 1,), jnp.nan, real)
                    if record_history else None)
@@ -441,7 +443,7 @@ def _run(problem: Problem, *, restart: int, max_restarts: int | None, orthogonal
                            functools.partial(_cycle, problem=problem, arnoldi=arnoldi,
                                              max_restarts=max_restarts), state)
     return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history,
-                   residual=(state.rnorm, state.tol))
+                   residual=(state.rnorm, state.tol, state.xnorm))
 
 
 GMRES = _driver.register(_driver.Method("gmres", _run))
