@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from typing import Any
 
@@ -126,11 +127,13 @@ def check_positive(name: str, tree: PyTree) -> None:
                              "weights); got entries that are not.")
 
 
-def call_checked(name: str, fn, *args):
-    """`jax.eval_shape(fn, *args)`, a failure inside `fn` re-raised naming `name`."""
+@contextlib.contextmanager
+def failures_named(name: str):
+    """Re-raise a failure of the user's function `name` (traced inside this
+    block on arguments shaped like `b`) as a `TypeError` that names it."""
     try:
-        return jax.eval_shape(fn, *args)
-    except Exception as e:  # the user's function failed on arguments shaped like b
+        yield
+    except Exception as e:
         raise TypeError(f"calling `{name}` on arguments shaped like `b` failed "
                         f"({type(e).__name__}: {e}). It must take and return pytrees "
                         "shaped like `b`.") from e
@@ -140,9 +143,3 @@ def check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"`{name}` must be one of {', '.join(map(repr, choices))}; "
                          f"got {value!r}.")
-
-
-def is_real(tree: PyTree) -> bool:
-    return all(not jnp.issubdtype(leaf.dtype, jnp.complexfloating)
-               for leaf in jax.tree_util.tree_leaves(tree))
-

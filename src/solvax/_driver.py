@@ -110,10 +110,8 @@ class Problem(NamedTuple):
         """Entries of `b` in all (static): inside `shard_map` the local size times
         the devices along `axis_name`, so defaults that scale with the problem
         (iteration limits, GMRES's basis size) are the same as under `jit`."""
-        axis_name = getattr(self.ip, "axis_name", None)
-        names = () if axis_name is None else (
-            axis_name if isinstance(axis_name, tuple) else (axis_name,))
-        return tree.size(self.b) * int(np.prod([jax.lax.psum(1, name) for name in names]))
+        return tree.size(self.b) * int(np.prod([jax.lax.psum(1, name)
+                                                for name in self.ip.reduced_axes()]))
 
     def tolerances(self) -> tuple[jax.Array, jax.Array]:
         """`(rtol, atol)` in `real_dtype()`."""
@@ -168,33 +166,35 @@ def make_problem(matvec, b, *, x0=None, precond=None, rtol=0.0, atol=0.0, inner_
     _checks.check_tolerance("rtol", rtol)
     _checks.check_tolerance("atol", atol)
     ip = _reduce.resolve(inner_product, axis_name)
+    with _checks.failures_named("inner_product"):
+        ip = ip.closed(b)
     check_inner_product(ip, b)
     return Problem(A=closed_operator("matvec", matvec, b), b=b, x0=x0,
                    precond=None if precond is None else closed_operator("precond", precond, b),
-                   rtol=_option(rtol), atol=_option(atol), ip=ip.closed(b))
+                   rtol=_option(rtol), atol=_option(atol), ip=ip)
 
 
 def closed_operator(name: str, fn, b) -> Closed:
     """`fn` as a `Closed`, its output checked against `b` (on the converted
     function: the user's function is traced once)."""
     _checks.check_callable(name, fn)
-    _checks.call_checked(name, fn, b)
-    A = close(fn, b)
+    with _checks.failures_named(name):
+        A = close(fn, b)
     _checks.check_like(f"{name}(b)", jax.eval_shape(A, b), "b", b)
     return A
 
 
 def check_inner_product(ip: _reduce.Reduction, b) -> None:
-    """Weights shaped like `b` and positive; a callable product returns a
-    scalar; an `axis_name` names an axis of the enclosing `shard_map`."""
+    """Weights shaped like `b` and positive; a callable product (closed: its
+    function is not traced again here) returns a scalar; `axis_name` names
+    axes of the enclosing `shard_map`."""
     if isinstance(ip, _reduce.InnerProduct):
         if ip.weight is not None:
             _checks.check_shapes_like("inner_product.weight", ip.weight, "b", b)
             _checks.check_positive("inner_product.weight", ip.weight)
-        if ip.axis_name is not None:
-            _check_axis_bound(ip.axis_name)
+        _check_axes_bound(ip.reduced_axes())
         return
-    out = _checks.call_checked("inner_product", ip.fn, b, b)
+    out = jax.eval_shape(ip.fn, b, b)
     if jax.tree_util.tree_structure(out).num_leaves != 1 or jnp.shape(out) != ():
         raise ValueError("`inner_product(x, y)` must return a scalar; on vectors shaped like "
                          f"`b` it returns {jax.tree_util.tree_map(jnp.shape, out)}. Reduce "
@@ -222,13 +222,11 @@ def _axes_communicated(jaxpr) -> set:
     return axes
 
 
-def _check_reduced_over(name: str, op, b, axis_name) -> None:
+def _check_reduced_over(name: str, op, b, reduced_axes: tuple) -> None:
     """An operator that communicates over a mesh axis (a halo exchange inside
     `shard_map`) couples the shards, so the inner products must reduce over
     that axis too: without `axis_name` every shard would run its own solve."""
-    reduced = set(() if axis_name is None else
-                  axis_name if isinstance(axis_name, tuple) else (axis_name,))
-    missing = _axes_communicated(jax.make_jaxpr(op)(b).jaxpr) - reduced
+    missing = _axes_communicated(jax.make_jaxpr(op)(b).jaxpr) - set(reduced_axes)
     if missing:
         raise ValueError(
             f"`{name}` communicates over the mesh axes {sorted(missing)} (inside `shard_map`), "
@@ -237,9 +235,9 @@ def _check_reduced_over(name: str, op, b, axis_name) -> None:
             "that `axis_name`).")
 
 
-def _check_axis_bound(axis_name) -> None:
-    """Each name in `axis_name` is an axis of the `shard_map` this call runs in."""
-    for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
+def _check_axes_bound(axes: tuple) -> None:
+    """Each of `axes` is an axis of the `shard_map` this call runs in."""
+    for name in axes:
         try:
             jax.eval_shape(lambda name=name: jax.lax.psum(1, name))
         except NameError as e:
@@ -258,7 +256,7 @@ def solve(method: Method, matvec, b, /, *, x0, precond, rtol, atol, inner_produc
     if isinstance(problem.ip, _reduce.InnerProduct):  # a callable product reduces as it likes
         for name, op in (("matvec", problem.A), ("precond", problem.precond)):
             if op is not None:
-                _check_reduced_over(name, op, problem.b, problem.ip.axis_name)
+                _check_reduced_over(name, op, problem.b, problem.ip.reduced_axes())
     run = functools.partial(_run_and_finish, method, options)
     # The transposed solve: the same method on A^T, started from zero.
     return implicit_solve(problem, run, lambda p: run(p._replace(x0=None)), failed_derivative)

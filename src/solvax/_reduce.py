@@ -77,6 +77,9 @@ class Reduction(abc.ABC):
     def dot(self, x: PyTree, y: PyTree) -> jax.Array:
         return self.multi_dot([(x, y)])[0]
 
+    def norm(self, x: PyTree) -> jax.Array:
+        return real_sqrt(self.dot(x, x))
+
     def reduced_axes(self) -> tuple:
         """The mesh axes this product reduces over (inside `shard_map`)."""
         return ()
@@ -112,9 +115,6 @@ class Reduction(abc.ABC):
         # 2^(e - 1) <= largest < 2^e; a non-finite largest propagates
         scale = jnp.ldexp(jnp.ones_like(largest), exponent - 1)
         return jnp.where(jnp.isfinite(largest), scale, largest)
-
-    def norm(self, x: PyTree) -> jax.Array:
-        return real_sqrt(self.dot(x, x))
 
 
 @jax.tree_util.register_pytree_node_class
