@@ -115,38 +115,33 @@ def _step(st: _State, ctx: _Context) -> _State:
                   go=(status == RUNNING) & ~limit, status=status, history=history)
 
 
-def _start(problem: Problem, real, record_history: bool, max_steps: int):
+def _start(problem: Problem):
     """`(x, r, <r, r>, ||b||^2)`: one setup reduction (the residual's norm is
     the first `rho`: the shadow residual is `r0`)."""
     b = problem.b
     if problem.x0 is None:
-        x, r = tree.zeros_like(b), b
         rr = bb = jnp.real(problem.ip.dot(b, b))
-    else:
-        r = tree.sub(b, problem.A(problem.x0))
-        rr, bb = jnp.real(problem.ip.multi_dot([(r, r), (b, b)]))
-        zero_b = bb == 0  # b = 0: the answer is exactly 0, whatever x0
-        x = tree.where(zero_b, tree.zeros_like(b), problem.x0)
-        r = tree.where(zero_b, b, r)
-        rr = jnp.where(zero_b, bb, rr)
-    history = jnp.full((max_steps + 1,), jnp.nan, real) if record_history else None
-    return x, r, rr, bb, history
+        return tree.zeros_like(b), b, rr, bb
+    r = tree.sub(b, problem.A(problem.x0))
+    rr, bb = jnp.real(problem.ip.multi_dot([(r, r), (b, b)]))
+    x, r = problem.start_from_x0(r, bb)
+    return x, r, jnp.where(bb == 0, bb, rr), bb
 
 
 def _run(problem: Problem, *, max_steps: int | None, record_history: bool) -> Outcome:
     """The BiCGStab iteration (not differentiated itself; see `bicgstab`)."""
-    real = problem.real_dtype()
-    max_steps = 10 * problem.size() if max_steps is None else max_steps
+    max_steps = problem.step_limit(max_steps)
     rtol, atol = problem.tolerances()
     with jax.named_scope("solvax.bicgstab.setup"):
-        x, r, rr, bb, history = _start(problem, real, record_history, max_steps)
+        x, r, rr, bb = _start(problem)
     tol2 = jnp.maximum(atol * atol, rtol * rtol * bb)
     ctx = _Context(A=problem.A, M=problem.precond or (lambda v: v), ip=problem.ip, shadow=r,
                    shadow_norm=_reduce.real_sqrt(rr), tol2=tol2, max_steps=max_steps)
     one = jnp.ones((), tree.result_dtype(problem.b))
     state = _State(x=x, r=r, p=tree.zeros_like(r), v=tree.zeros_like(r), rho=rr.astype(one.dtype),
                    rho_prev=one, alpha=one, omega=one, k=jnp.int32(0), go=jnp.bool_(True),
-                   status=jnp.int32(RUNNING), history=history)
+                   status=jnp.int32(RUNNING), history=problem.history(max_steps + 1,
+                                                                      record_history))
     state = problem.ip.typed_like_results(state, problem.b)
     state = lax.while_loop(lambda st: st.go, functools.partial(_step, ctx=ctx), state)
     return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history)

@@ -251,12 +251,10 @@ def _start(problem: Problem, ctx: _Context, real, max_steps: int, record_history
     else:
         with jax.named_scope("solvax.pcg.setup"):
             bb = jnp.real(problem.ip.dot(b, b))
-            zero_b = bb == 0  # b = 0: the answer is exactly 0, whatever x0
-            x = tree.where(zero_b, tree.zeros_like(b), problem.x0)
-            r = tree.where(zero_b, b, tree.sub(b, problem.A(problem.x0)))
+            x, r = problem.start_from_x0(tree.sub(b, problem.A(problem.x0)), bb)
             tol2 = _squared_threshold(bb, ctx.rtol, ctx.atol)
     one = jnp.ones((), real)
-    history = jnp.full((max_steps + 1,), jnp.nan, real) if record_history else None
+    history = problem.history(max_steps + 1, record_history)
     sc = _Scalars(gamma=one, alpha=one, tol2=tol2, k=jnp.int32(0), go=jnp.bool_(True),
                   rr=one, curvature=one, history=history)
     return x, r, sc
@@ -266,8 +264,7 @@ def _run(problem: Problem, *, method: str, max_steps: int | None, residual_repla
          record_history: bool) -> Outcome:
     """The PCG iteration of `method` (not differentiated itself; see `pcg`)."""
     real = problem.real_dtype()
-    if max_steps is None:
-        max_steps = 10 * problem.size()
+    max_steps = problem.step_limit(max_steps)
     identity = problem.precond is None
     rtol, atol = problem.tolerances()
     ctx = _Context(A=problem.A, M=(lambda v: v) if identity else problem.precond,

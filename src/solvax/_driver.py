@@ -113,6 +113,21 @@ class Problem(NamedTuple):
         return tree.size(self.b) * int(np.prod([jax.lax.psum(1, name)
                                                 for name in self.ip.reduced_axes()]))
 
+    def step_limit(self, max_steps: int | None) -> int:
+        """`max_steps`, by default `10 * size()`."""
+        return 10 * self.size() if max_steps is None else max_steps
+
+    def history(self, length: int, record: bool) -> jax.Array | None:
+        """A NaN-filled residual history of `length` (None unless recorded)."""
+        return jnp.full((length,), jnp.nan, self.real_dtype()) if record else None
+
+    def start_from_x0(self, r, bb):
+        """`(x, r)` from `x0` and its residual `r = b - A x0`: for `b = 0`
+        (`bb = ||b||^2 = 0`) the answer is exactly 0, whatever `x0`."""
+        zero_b = bb == 0
+        return (tree.where(zero_b, tree.zeros_like(self.b), self.x0),
+                tree.where(zero_b, self.b, r))
+
     def tolerances(self) -> tuple[jax.Array, jax.Array]:
         """`(rtol, atol)` in `real_dtype()`."""
         def value(v):

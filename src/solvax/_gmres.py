@@ -433,8 +433,7 @@ def _run(problem: Problem, *, restart: int, max_restarts: int | None, orthogonal
                    broke=jnp.bool_(False), stalls=jnp.int32(0),
                    rnorm=jnp.asarray(jnp.inf, real), xnorm=jnp.zeros((), real),
                    tol=jnp.zeros((), real), anorm=jnp.zeros((), real),
-                   history=jnp.full((max_restarts * m + m + 1,), jnp.nan, real)
-                   if record_history else None)
+                   history=problem.history(max_restarts * m + m + 1, record_history))
     # Each pass starts with the true residual; a pass with nothing left to do
     # (converged, broken down or out of restarts) ends the loop after that check,
     # so the driver needs no residual of its own.
