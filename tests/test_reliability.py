@@ -11,7 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import DISTINCT, SOLVERS, random_nonsymmetric, random_spd, rel_err, rhs
+from helpers import (
+    DISTINCT,
+    SOLVERS,
+    mesh,
+    random_nonsymmetric,
+    random_spd,
+    rel_err,
+    rhs,
+    solve_dense_tridiagonal,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -294,17 +303,12 @@ def _nestings(f, sm, loss):
         "grad(jit(shard_map))": lambda b: jax.grad(loss(jax.jit(sm)))(b),
         "jit(grad(shard_map))": lambda b: jax.jit(jax.grad(loss(sm)))(b),
         "shard_map(grad)": lambda b: sx.shard_map(
-            jax.grad(lambda b: jnp.sum(f(b) ** 2)), mesh=_mesh(), in_specs=P("i"),
+            jax.grad(lambda b: jnp.sum(f(b) ** 2)), mesh=mesh(8), in_specs=P("i"),
             out_specs=P("i"))(b),
         "jvp(jit(shard_map))": lambda b: jax.jvp(jax.jit(sm), (b,), (b,))[1],
         "vmap(jit(shard_map))": lambda b: jax.vmap(jax.jit(sm))(jnp.stack([b, 2 * b])),
         "vmap(grad(shard_map))": lambda b: jax.vmap(jax.grad(loss(sm)))(jnp.stack([b, 2 * b])),
     }
-
-
-def _mesh():
-    from helpers import mesh
-    return mesh(8)
 
 
 @pytest.mark.parametrize("name", DISTINCT)
@@ -319,7 +323,7 @@ def test_every_nesting_of_transformations(name, nesting):
     def f(b):
         return SOLVERS[name].solve(_halo, b, axis_name="i", rtol=1e-10).x
 
-    sm = sx.shard_map(f, mesh=_mesh(), in_specs=P("i"), out_specs=P("i"))
+    sm = sx.shard_map(f, mesh=mesh(8), in_specs=P("i"), out_specs=P("i"))
 
     def loss(g):
         return lambda b: jnp.sum(g(b) ** 2)
@@ -372,7 +376,7 @@ def test_a_preconditioner_that_fails_on_b_is_named():
 
 
 def test_an_axis_name_that_is_not_a_mesh_axis_is_named():
-    f = sx.shard_map(lambda b: sx.pcg(lambda x: 2 * x, b, axis_name="j").x, mesh=_mesh(),
+    f = sx.shard_map(lambda b: sx.pcg(lambda x: 2 * x, b, axis_name="j").x, mesh=mesh(8),
                      in_specs=P("i"), out_specs=P("i"))
     with pytest.raises(ValueError, match="`axis_name` 'j' is not an axis"):
         f(jnp.ones(16))
@@ -391,7 +395,7 @@ def test_an_empty_rhs_is_refused():
 
 def test_shard_batch_names_the_batch_axis_option():
     with pytest.raises(ValueError, match="`output_batch_axis` = 1 is out of range"):
-        sx.shard_batch(lambda a: a, mesh=_mesh(), input_rank=1, output_rank=1,
+        sx.shard_batch(lambda a: a, mesh=mesh(8), input_rank=1, output_rank=1,
                        output_batch_axis=1)
 
 
@@ -441,8 +445,6 @@ def test_default_tolerance_fits_the_precision(x64):
 # ---------------------------------------------------------- structured solves
 @pytest.mark.parametrize("method", ["thomas", "lax"])
 def test_cyclic_solve_with_a_zero_first_diagonal(method):
-    from helpers import solve_dense_tridiagonal
-
     rng = np.random.default_rng(1)
     lower, upper = rng.standard_normal((2, 12))
     diag = 4.0 + rng.random(12)
@@ -477,12 +479,12 @@ def test_bicgstab_breakdown_is_reported():
 def test_a_coupled_solve_inside_shard_map_needs_axis_name():
     """The matvec exchanges halos over 'i' but no `axis_name` was given: the
     reductions would be local, each shard solving its own piece."""
-    f = sx.shard_map(lambda b: sx.pcg(_halo, b).x, mesh=_mesh(), in_specs=P("i"),
+    f = sx.shard_map(lambda b: sx.pcg(_halo, b).x, mesh=mesh(8), in_specs=P("i"),
                      out_specs=P("i"))
     with pytest.raises(ValueError, match=r"`matvec` communicates over the mesh axes \['i'\]"):
         f(jnp.ones(64))
     # a local operator per shard (independent systems, e.g. `shard_batch`) is fine
-    g = sx.shard_map(lambda b: sx.pcg(lambda x: 2 * x, b).x, mesh=_mesh(), in_specs=P("i"),
+    g = sx.shard_map(lambda b: sx.pcg(lambda x: 2 * x, b).x, mesh=mesh(8), in_specs=P("i"),
                      out_specs=P("i"))
     assert rel_err(g(jnp.ones(64)), np.full(64, 0.5)) < 1e-12
 
