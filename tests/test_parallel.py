@@ -46,7 +46,11 @@ def test_shard_map_solve_matches_jit(name):
     f = jax.jit(sx.shard_map(local, mesh=m, in_specs=P("i"), out_specs=(P("i"), P(), P())))
     x, iters, conv = f(b)  # no deadlock: every shard stops on the same global values
     ref = jax.jit(lambda b: solve(global_laplacian, b))(b)
-    assert bool(conv) and abs(int(iters) - int(ref.iterations)) <= 2  # rounding order differs
+    # rounding order differs; IDR(s)'s shadow space is drawn per shard inside
+    # shard_map (no layout-independent draw exists without gathering), so only
+    # its iteration count may differ more
+    slack = 0.25 * int(ref.iterations) if SOLVERS[name].method == "idrs" else 2
+    assert bool(conv) and abs(int(iters) - int(ref.iterations)) <= slack
     assert rel_err(x, ref.x) < 1e-8  # both within rtol=1e-10 of the solution
     dense = laplacian_1d(N) + 0.1 * np.eye(N)
     assert rel_err(x, np.linalg.solve(dense, np.asarray(b))) < 1e-8

@@ -52,6 +52,9 @@ PRECONDITIONED = {
     "pcg_chebyshev": ("pcg", lambda d: dict(precond=chebyshev_of(d))),
     "pipelined_jacobi": ("pcg_pipelined", lambda d: dict(precond=jacobi_of(d))),
     "gmres_chebyshev": ("gmres", lambda d: dict(precond=chebyshev_of(d))),
+    "bicgstab_one_sync_jacobi": ("bicgstab_one_sync", lambda d: dict(precond=jacobi_of(d))),
+    "idrs_jacobi": ("idrs", lambda d: dict(precond=jacobi_of(d))),
+    "minres_jacobi": ("minres", lambda d: dict(precond=jacobi_of(d))),
 }
 for _name, (_base, _options) in PRECONDITIONED.items():
     SOLVERS[_name] = (lambda d, b, s=REGISTRY[_base], o=_options:
@@ -117,8 +120,11 @@ def test_single_reduction_is_one_all_reduce_per_iteration_on_every_jax():
 
 
 @pytest.mark.parametrize("name,per_step", [("gmres", 1), ("linear_solve_gmres", 1),
-                                           ("gmres_cgs2", 2), ("gmres_chebyshev", 1)])
+                                           ("gmres_cgs2", 2), ("gmres_chebyshev", 1),
+                                           ("minres", 1)])
 def test_gmres_reductions_per_arnoldi_step(name, per_step):
+    """One reduction per Arnoldi (MINRES: Lanczos) step in the inner loop, one
+    per restart (MINRES: per true-residual check) in the outer."""
     primal, _ = counts(name, 8)
     arnoldi = [loop for loop in primal.loops if loop.depth == 1]
     restart = [loop for loop in primal.loops if loop.depth == 0]
@@ -292,7 +298,10 @@ def test_shard_map_mode_has_the_same_counts(name):
     assert (primal.total, primal.per_iteration, adjoint.total) == (
         total, per_iteration, adjoint_total), str(primal)
     assert set(primal.by_kind) == {"all-reduce"}
-    assert tree_rel_err(jax.jit(f)(d, b), jax.jit(solve)(d, b)) < 1e-10
+    # IDR(s) draws its shadow space per shard inside shard_map: other iterates,
+    # both within the default rtol (1e-8)
+    agree = 1e-7 if solver.method == "idrs" else 1e-10
+    assert tree_rel_err(jax.jit(f)(d, b), jax.jit(solve)(d, b)) < agree
 
 
 # ------------------------------------------- tridiagonal along the sharded axis

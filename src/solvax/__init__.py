@@ -13,7 +13,9 @@ from ._cg import pcg_linear_solve as pcg_linear_solve
 from ._comm import CollectiveReport as CollectiveReport
 from ._comm import count_collectives as count_collectives
 from ._gmres import gmres as gmres
+from ._idrs import idrs as idrs
 from ._linear_solve import linear_solve as linear_solve
+from ._minres import minres as minres
 from ._parallel import shard_batch as shard_batch
 from ._parallel import shard_map as shard_map
 from ._partitioned import partitioned_tridiagonal_solve as partitioned_tridiagonal_solve
@@ -41,8 +43,10 @@ __all__ = [
     "cyclic_tridiagonal_solve",
     "estimate_spectrum",
     "gmres",
+    "idrs",
     "jacobi",
     "linear_solve",
+    "minres",
     "partitioned_tridiagonal_solve",
     "pcg",
     "pcg_linear_solve",

@@ -128,7 +128,101 @@ def _start(problem: Problem):
     return x, r, jnp.where(bb == 0, bb, rr), bb
 
 
-def _run(problem: Problem, *, max_steps: int | None, record_history: bool) -> Outcome:
+class _OneSyncState(NamedTuple):
+    """The one-synchronization recurrences (`_one_sync_step`); the iterate is
+    `x = x0 + M u`, so the preconditioner is applied inside `B = A M` only."""
+
+    u: PyTree
+    r: PyTree  # b - A x (recursively updated)
+    p: PyTree  # search direction
+    v: PyTree  # B p
+    w: PyTree  # B r
+    q: PyTree  # B v
+    k: jax.Array
+    go: jax.Array
+    status: jax.Array
+    history: jax.Array | None
+
+
+def _one_sync_step(st: _OneSyncState, ctx: _Context) -> _OneSyncState:
+    """One BiCGStab step with one synchronization (after Yang & Brent 2002).
+
+    With `w = B r` and `q = B v` carried along, `s = r - alpha v` and
+    `t = B s = w - alpha q` are known before their products are: every
+    product of the step expands into products of `r0, r, v, w, q`, all taken
+    in **one** reduction at the top of the step. Two matvecs follow it:
+    `B t` (for `w' = B r' = t - omega B t`) and `q' = B v'`. The expansions
+    of `<s, s>`, `<t, s>` and `<t, t>` lose relative accuracy when `s` is
+    much smaller than `r` (cancellation): the finite-precision cost of the
+    saved synchronization (docs/krylov.md).
+    """
+    B = lambda y: ctx.A(ctx.M(y))  # noqa: E731
+    with jax.named_scope("solvax.bicgstab.reduce"):
+        (rr, r0r, r0v, r0w, r0q, wr, wv, qr, qv, ww, wq, qq, rv, vv) = ctx.ip.multi_dot(
+            [(st.r, st.r), (ctx.shadow, st.r), (ctx.shadow, st.v), (ctx.shadow, st.w),
+             (ctx.shadow, st.q), (st.w, st.r), (st.w, st.v), (st.q, st.r), (st.q, st.v),
+             (st.w, st.w), (st.w, st.q), (st.q, st.q), (st.r, st.v), (st.v, st.v)])
+    rr, ww, qq, vv = (jnp.real(a) for a in (rr, ww, qq, vv))
+    history = None if st.history is None else st.history.at[st.k].set(_reduce.real_sqrt(rr))
+    rho = r0r  # measured; the next one (for beta) by the expansion
+    alpha = rho / _nonzero(r0v)
+    a2 = jnp.real(alpha * jnp.conj(alpha))
+    ss = jnp.maximum(rr - 2 * jnp.real(alpha * rv) + a2 * vv, 0)
+    tt = jnp.maximum(ww - 2 * jnp.real(alpha * wq) + a2 * qq, 0)
+    ts = wr - alpha * wv - jnp.conj(alpha) * qr + a2 * qv
+    omega = ts / _nonzero(tt).astype(ts.dtype)
+    rho_next = rho - alpha * r0v - omega * (r0w - alpha * r0q)
+    beta = (rho_next / _nonzero(rho)) * (alpha / _nonzero(omega))
+    done, limit = rr <= ctx.tol2, st.k >= ctx.max_steps
+    finite = jnp.isfinite(rr) & jnp.isfinite(jnp.abs(r0v)) & jnp.isfinite(tt) & jnp.isfinite(
+        jnp.abs(ts))
+    norm = _reduce.real_sqrt
+    lost_alpha = _negligible(r0v, ctx.shadow_norm, norm(vv))
+    lost_omega = (tt == 0) | _negligible(ts, norm(tt), norm(ss))
+    half = ss <= ctx.tol2
+    status = first_status([(done, Status.CONVERGED), (limit, RUNNING),
+                           (~finite, Status.NONFINITE), (lost_alpha, Status.BREAKDOWN),
+                           (half, Status.CONVERGED),
+                           (lost_omega | (rho_next == 0), Status.BREAKDOWN)], RUNNING)
+    take_alpha = ~done & ~limit & finite & ~lost_alpha
+    take_omega = take_alpha & ~half & ~lost_omega
+    alpha = jnp.where(take_alpha, alpha, jnp.zeros_like(alpha))
+    omega = jnp.where(take_omega, omega, jnp.zeros_like(omega))
+    s = tree.axpy(-alpha, st.v, st.r)
+    t = tree.axpy(-alpha, st.q, st.w)
+    with jax.named_scope("solvax.bicgstab.matvec"):
+        bt = B(t)
+    u = tree.axpy(omega, s, tree.axpy(alpha, st.p, st.u))
+    r = tree.axpy(-omega, t, s)
+    w = tree.axpy(-omega, bt, t)
+    p = tree.axpy(beta, tree.axpy(-omega, st.v, st.p), r)
+    v = tree.axpy(beta, tree.axpy(-omega, st.q, st.v), w)
+    with jax.named_scope("solvax.bicgstab.matvec"):
+        q = B(v)
+    return _OneSyncState(u=u, r=r, p=p, v=v, w=w, q=q,
+                         k=st.k + take_alpha.astype(jnp.int32), go=(status == RUNNING) & ~limit,
+                         status=status, history=history)
+
+
+def _run_one_sync(problem: Problem, ctx: _Context, x, r, history) -> Outcome:
+    """The one-synchronization loop from `x` (`x0` or 0) and its residual `r`."""
+    B = lambda y: ctx.A(ctx.M(y))  # noqa: E731
+    with jax.named_scope("solvax.bicgstab.setup"):
+        w = B(r)
+        q = B(w)
+    state = _OneSyncState(u=tree.zeros_like(r), r=r, p=r, v=w, w=w, q=q, k=jnp.int32(0),
+                          go=jnp.bool_(True), status=jnp.int32(RUNNING), history=history)
+    state = problem.ip.typed_like_results(state, problem.b)
+    state = lax.while_loop(lambda st: st.go, functools.partial(_one_sync_step, ctx=ctx), state)
+    x = tree.add(x, ctx.M(state.u))
+    return Outcome(x=x, status=state.status, iterations=state.k, history=state.history)
+
+
+METHOD_NAMES = ("standard", "one_sync")
+
+
+def _run(problem: Problem, *, method: str, max_steps: int | None,
+         record_history: bool) -> Outcome:
     """The BiCGStab iteration (not differentiated itself; see `bicgstab`)."""
     max_steps = problem.step_limit(max_steps)
     rtol, atol = problem.tolerances()
@@ -137,6 +231,8 @@ def _run(problem: Problem, *, max_steps: int | None, record_history: bool) -> Ou
     tol2 = jnp.maximum(atol * atol, rtol * rtol * bb)
     ctx = _Context(A=problem.A, M=problem.precond or (lambda v: v), ip=problem.ip, shadow=r,
                    shadow_norm=_reduce.real_sqrt(rr), tol2=tol2, max_steps=max_steps)
+    if method == "one_sync":
+        return _run_one_sync(problem, ctx, x, r, problem.history(max_steps + 1, record_history))
     one = jnp.ones((), tree.result_dtype(problem.b))
     state = _State(x=x, r=r, p=tree.zeros_like(r), v=tree.zeros_like(r), rho=rr.astype(one.dtype),
                    rho_prev=one, alpha=one, omega=one, k=jnp.int32(0), go=jnp.bool_(True),
@@ -159,6 +255,7 @@ def bicgstab(
     rtol: float | None = None,
     atol: float = 0.0,
     max_steps: int | None = None,
+    method: str = "standard",
     record_history: bool = False,
     inner_product=None,
     axis_name: str | tuple[str, ...] | None = None,
@@ -196,6 +293,14 @@ def bicgstab(
         rtol, atol: stop when `||b - A x|| <= max(atol, rtol * ||b||)`; the
             default `rtol` is `max(1e-8, 100 eps)` of the least precise leaf.
         max_steps: step limit (default `10 * size(b)`); each step is two matvecs.
+        method: `"standard"` (two synchronizations per step, above) or
+            `"one_sync"`: **one** synchronization per step (after Yang & Brent;
+            `w = A M r` and `q = A M v` are carried, so every product of a step
+            expands into products taken at its top; 14 scalars in one
+            reduction, two matvecs, two more vectors of memory). Its
+            expanded norms lose accuracy to cancellation near convergence:
+            measured in docs/krylov.md; the true residual still decides
+            `converged`.
         record_history: store the residual norm at the start of every step
             in `Solution.history` (length `max_steps + 1`, NaN after the end).
         inner_product: a `solvax.InnerProduct` (or `(x, y) -> scalar`).
@@ -216,7 +321,8 @@ def bicgstab(
     """
     if max_steps is not None:
         _checks.check_int("max_steps", max_steps, 0)
+    _checks.check_choice("method", method, METHOD_NAMES)
     return _driver.solve(BICGSTAB, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                          inner_product=inner_product, axis_name=axis_name,
-                         failed_derivative=failed_derivative, max_steps=max_steps,
-                         record_history=bool(record_history))
+                         failed_derivative=failed_derivative, method=method,
+                         max_steps=max_steps, record_history=bool(record_history))

@@ -33,11 +33,14 @@ _MESSAGES = {
     Status.MAX_STEPS: "not converged: the iteration limit was reached first; "
     "raise `max_steps`/`max_restarts`, loosen the tolerance or precondition",
     Status.INDEFINITE: "breakdown: non-positive curvature <p, A p> <= 0 or <r, M r> <= 0; "
-    "the operator or the preconditioner is not Hermitian positive definite (or, for the "
-    "single-reduction and pipelined recurrences, rounding at their attainable accuracy)",
-    Status.BREAKDOWN: "breakdown: GMRES's Krylov space became invariant before the tolerance "
-    "was met (the operator is singular or the system inconsistent), or BiCGStab's rho = <r0, r>, "
-    "<r0, A M p>, omega or <t, t> vanished (restart from x, or use GMRES)",
+    "the operator (CG) or the preconditioner (CG, MINRES) is not Hermitian positive definite "
+    "(or, for the single-reduction and pipelined CG recurrences, rounding at their attainable "
+    "accuracy)",
+    Status.BREAKDOWN: "breakdown: the Krylov space became invariant before the tolerance was "
+    "met (GMRES, MINRES: a singular operator and an inconsistent system; MINRES returns "
+    "a least-squares solution), or a denominator of the short recurrences vanished "
+    "(BiCGStab: rho = <r0, r>, <r0, A M p>, omega or <t, t>; IDR(s): a pivot P_k^H G_k or "
+    "<t, r>); restart from x, change the shadow vectors (IDR(s) `key`) or use GMRES",
     Status.NONFINITE: "non-finite values (NaN or Inf) appeared in the right-hand side, "
     "the operator, the preconditioner or the iterates",
     Status.STAGNATION: "not converged: the iteration stopped making progress before the true "

@@ -22,7 +22,9 @@ from ._bicgstab import bicgstab
 from ._cg import pcg
 from ._comm import count_collectives
 from ._gmres import gmres
+from ._idrs import idrs
 from ._linear_solve import linear_solve
+from ._minres import minres
 from ._parallel import shard_map
 from ._partitioned import partitioned_tridiagonal_solve
 from ._tridiagonal import cyclic_tridiagonal_solve, tridiagonal_solve
@@ -91,6 +93,10 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
             lambda d, b: gmres(_diag(d), b, restart=16, orthogonalization="cgs2").x,
             (diag, vec())),
         "BiCGStab": (lambda d, b: bicgstab(_diag(d), b).x, (diag, vec())),
+        "BiCGStab, method='one_sync'": (
+            lambda d, b: bicgstab(_diag(d), b, method="one_sync").x, (diag, vec())),
+        "IDR(4)": (lambda d, b: idrs(_diag(d), b, s=4).x, (diag, vec())),
+        "MINRES": (lambda d, b: minres(_diag(d), b).x, (diag, vec())),
         "shard_map: PCG, single_reduction (axis_name)": (_shard_mapped(
             mesh, lambda d, b, **kw: pcg(_diag(d), b, single_reduction=True, **kw).x),
             (diag, vec())),
@@ -101,12 +107,23 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
             mesh, lambda d, b, **kw: gmres(_diag(d), b, restart=16, **kw).x), (diag, vec())),
         "shard_map: BiCGStab (axis_name)": (_shard_mapped(
             mesh, lambda d, b, **kw: bicgstab(_diag(d), b, **kw).x), (diag, vec())),
+        "shard_map: BiCGStab one_sync (axis_name)": (_shard_mapped(
+            mesh, lambda d, b, **kw: bicgstab(_diag(d), b, method="one_sync", **kw).x),
+            (diag, vec())),
+        "shard_map: IDR(4) (axis_name)": (_shard_mapped(
+            mesh, lambda d, b, **kw: idrs(_diag(d), b, s=4, **kw).x), (diag, vec())),
+        "shard_map: MINRES (axis_name)": (_shard_mapped(
+            mesh, lambda d, b, **kw: minres(_diag(d), b, **kw).x), (diag, vec())),
         "pytree PCG, P('i') + P(None,'i') leaves": (
             lambda d, b: pcg(_diag(d), b).x, (tree_d, tree_b)),
         "pytree PCG single_reduction, P('i') + P(None,'i')": (
             lambda d, b: pcg(_diag(d), b, single_reduction=True).x, (tree_d, tree_b)),
         "pytree FGMRES(16), P('i') + P(None,'i') leaves": (
             lambda d, b: gmres(_diag(d), b, restart=16).x, (tree_d, tree_b)),
+        "pytree IDR(4), P('i') + P(None,'i') leaves": (
+            lambda d, b: idrs(_diag(d), b).x, (tree_d, tree_b)),
+        "pytree MINRES, P('i') + P(None,'i') leaves": (
+            lambda d, b: minres(_diag(d), b).x, (tree_d, tree_b)),
     }
 
 
@@ -119,7 +136,8 @@ def _loss(fn):
 
 def _innermost_step(report) -> tuple[int, int]:
     """Collectives (and bytes) of one pass of the innermost communicating loop:
-    one CG iteration, one Arnoldi step."""
+    one CG iteration, one Arnoldi or Lanczos step, one IDR(s) cycle (s + 1
+    matvecs)."""
     if not report.loops:
         return 0, 0
     deepest = max(loop.depth for loop in report.loops)
@@ -162,4 +180,5 @@ def write_json(rows: list[Row], path: str) -> None:
 
 MEANING = ("Collective instructions in the optimized HLO (async pairs once): 'primal' = the "
            "solve, 'adjoint' = jax.grad of sum(x**2); 'per step' = synchronization points in one "
-           "CG iteration / one Arnoldi step, 'bytes/step' = what they move.")
+           "CG/BiCGStab iteration, Arnoldi/Lanczos step or IDR(s) cycle of s + 1 matvecs, "
+           "'bytes/step' = what they move.")
