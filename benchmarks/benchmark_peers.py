@@ -4,16 +4,19 @@
 
 Stopping rule for everyone: 2-norm residual <= 1e-8 ||b|| (lineax: two_norm,
 rtol=0, atol=1e-8 ||b||); GMRES restart 30. Problems: 5-point Poisson 512 x 512
-(CG family), upwind convection-diffusion 256 x 256 with strength 10 (GMRES
-family), a 16-leaf pytree right-hand side (compile time), and a latency-bound
-mesh: 8 emulated devices, a diagonal operator on 4096 (and 65536) entries
-sharded P('i'), 200 fixed iterations. Reported: compile time (lower +
+(CG family), upwind convection-diffusion 256 x 256 with strength 10 (GMRES,
+BiCGStab and IDR(s)), a saddle-point system on two 128 x 128 grids (MINRES
+against GMRES), a 16-leaf pytree right-hand side (compile time), and a
+latency-bound mesh: 8 emulated devices, a diagonal operator on 4096 (and
+65536) entries sharded P('i'), 200 fixed iterations (CG and BiCGStab
+variants). Reported: compile time (lower +
 compile, caches cleared; median of 5 with the solvers interleaved
 round-robin, and its ratio to jax.scipy's solver of the same method), median
 run time over 5 warm runs with the solvers interleaved round-robin, matvecs,
 true final relative residual, time per matvec and the ratio to the fastest
-peer of the same method (jax.scipy's BiCGSTAB, a different method, is shown
-on the convection-diffusion problem for reference).
+peer of the same method family (`FAMILY`: IDR(s) is measured against the
+BiCGStab peers, the short-recurrence methods it competes with; MINRES
+against solvax's GMRES, no peer has MINRES).
 `--small` shrinks every problem (a smoke test).
 """
 
@@ -35,7 +38,7 @@ import jax.scipy.sparse.linalg as jsp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from problems import convection_diffusion, parse_args, poisson  # noqa: E402
+from problems import convection_diffusion, parse_args, poisson, saddle_point  # noqa: E402
 
 import solvax as sx  # noqa: E402
 
@@ -48,10 +51,14 @@ except ImportError:  # the `bench` extra is optional
 RTOL = 1e-8
 REPEATS = 5
 COMPILE_REPEATS = 5
-# Shown for reference, not counted as a peer of the same method: BiCGSTAB is a
-# different Krylov method (short recurrences, no restarts); the GMRES targets
-# compare GMRES(30) implementations.
-OTHER_METHOD = {"jax.scipy bicgstab"}
+
+
+def family(solver):
+    """The method family a solver's run time is compared within."""
+    for name in ("bicgstab", "idrs", "gmres", "minres"):
+        if name in solver.lower():
+            return "bicgstab" if name == "idrs" else "gmres" if name == "minres" else name
+    return "cg"
 
 
 def lineax_solve(matvec, b, solver_cls, tags=(), **kw):
@@ -87,13 +94,38 @@ def gmres_solvers(matvec):
         "jax.scipy gmres incremental": lambda b: jsp.gmres(matvec, b, tol=RTOL, atol=0.0,
                                                            restart=30, maxiter=400,
                                                            solve_method="incremental")[0],
-        "jax.scipy bicgstab": lambda b: jsp.bicgstab(matvec, b, tol=RTOL, atol=0.0,
-                                                     maxiter=100000)[0],
     }
     if lx is not None:
         out["lineax GMRES"] = lambda b: lineax_solve(matvec, b, lx.GMRES, restart=30,
                                                      max_steps=100000)
     return out
+
+
+def nonsymmetric_solvers(matvec):
+    out = {
+        **gmres_solvers(matvec),
+        "solvax bicgstab": lambda b: sx.bicgstab(matvec, b, rtol=RTOL).x,
+        "solvax bicgstab one_sync": lambda b: sx.bicgstab(matvec, b, rtol=RTOL,
+                                                          method="one_sync").x,
+        **{f"solvax idrs s={s}": (lambda b, s=s: sx.idrs(matvec, b, s=s, rtol=RTOL).x)
+           for s in (1, 2, 4, 8)},
+        "jax.scipy bicgstab": lambda b: jsp.bicgstab(matvec, b, tol=RTOL, atol=0.0,
+                                                     maxiter=100000)[0],
+    }
+    if lx is not None:
+        out["lineax BiCGStab"] = lambda b: lineax_solve(matvec, b, lx.BiCGStab,
+                                                        max_steps=100000)
+    return out
+
+
+def indefinite_solvers(matvec):
+    return {
+        "solvax minres": lambda b: sx.minres(matvec, b, rtol=RTOL).x,
+        "solvax gmres one_sync": lambda b: sx.gmres(matvec, b, restart=30, rtol=RTOL).x,
+        "jax.scipy gmres batched": lambda b: jsp.gmres(matvec, b, tol=RTOL, atol=0.0,
+                                                       restart=30, maxiter=400,
+                                                       solve_method="batched")[0],
+    }
 
 
 def count_matvecs(solve, matvec, b):
@@ -143,7 +175,7 @@ def interleaved(fns, *args):
 def problem(name, matvec, make_solvers, b, reference):
     """Every solver of `make_solvers(matvec)` on `b`; compile times are also
     given relative to `reference` (jax.scipy's solver of the same method)."""
-    bnorm = float(jnp.linalg.norm(b))
+    bnorm = norm(b)
     by_matvec = make_solvers  # solver factory taking the matvec
     solvers = by_matvec(matvec)
     compiles = compile_times(solvers, b)
@@ -152,16 +184,26 @@ def problem(name, matvec, make_solvers, b, reference):
     for solver, fn in solvers.items():
         x = jax.jit(fn)(b)
         matvecs = count_matvecs(lambda mv, solver=solver: by_matvec(mv)[solver], matvec, b)
-        rows.append(dict(problem=name, solver=solver, compile_s=compiles[solver],
+        residual = jax.tree_util.tree_map(jnp.subtract, b, matvec(x))
+        rows.append(dict(problem=name, solver=solver, family=family(solver),
+                         compile_s=compiles[solver],
                          compile_vs_jax_scipy=compiles[solver] / compiles[reference],
                          run_s=runs[solver], matvecs=matvecs,
-                         true_relative_residual=float(jnp.linalg.norm(b - matvec(x))) / bnorm,
+                         true_relative_residual=norm(residual) / bnorm,
                          ms_per_matvec=1e3 * runs[solver] / max(matvecs, 1)))
-    peers = [r["run_s"] for r in rows
-             if not r["solver"].startswith("solvax") and r["solver"] not in OTHER_METHOD]
     for r in rows:
+        peers = [p["run_s"] for p in rows if p["family"] == r["family"]
+                 and not p["solver"].startswith("solvax")]
+        # MINRES: no peer has it; measured against solvax's GMRES
+        peers = peers or [p["run_s"] for p in rows if p["family"] == r["family"]
+                          and p["solver"] != r["solver"]]
         r["ratio_to_fastest_peer"] = r["run_s"] / min(peers)
     return rows
+
+
+def norm(tree):
+    return float(jnp.sqrt(sum(jnp.sum(jnp.abs(leaf) ** 2)
+                              for leaf in jax.tree_util.tree_leaves(tree))))
 
 
 def pytree_compile(n_leaves, size):
@@ -189,7 +231,7 @@ def latency(n, iterations=200):
     # before the 200 steps: every run really takes them (checked below)
     d = jax.device_put(jnp.asarray(1.0 + 1e4 * np.arange(n) / n), sharding)
     b = jax.device_put(jnp.ones(n), sharding)
-    fns = {
+    cg = {
         "solvax pcg": lambda d, b: sx.pcg(lambda x: d * x, b, rtol=0.0, max_steps=iterations).x,
         "solvax pcg single_reduction": lambda d, b: sx.pcg(
             lambda x: d * x, b, rtol=0.0, max_steps=iterations, single_reduction=True).x,
@@ -198,16 +240,31 @@ def latency(n, iterations=200):
         "jax.scipy cg": lambda d, b: jsp.cg(lambda x: d * x, b, tol=0.0, atol=0.0,
                                             maxiter=iterations)[0],
     }
-    runs = interleaved(fns, d, b)
-    base = runs["jax.scipy cg"]
+    bicgstab = {
+        "solvax bicgstab": lambda d, b: sx.bicgstab(lambda x: d * x, b, rtol=0.0,
+                                                    max_steps=iterations).x,
+        "solvax bicgstab one_sync": lambda d, b: sx.bicgstab(
+            lambda x: d * x, b, rtol=0.0, max_steps=iterations, method="one_sync").x,
+        "jax.scipy bicgstab": lambda d, b: jsp.bicgstab(lambda x: d * x, b, tol=0.0, atol=0.0,
+                                                        maxiter=iterations)[0],
+    }
     for method in ("standard", "single_reduction", "pipelined"):
         steps = int(sx.pcg(lambda x: d * x, b, rtol=0.0, max_steps=iterations,
                            method=method).iterations)
         assert steps == iterations, (method, steps)
-    return [dict(problem=f"latency-bound mesh, n={n}, 8 devices", solver=k,
-                 ms_per_iteration=1e3 * t / iterations, ratio_to_jax_scipy=t / base,
-                 all_reduces_per_iteration=sx.count_collectives(fns[k], d, b).per_iteration)
-            for k, t in runs.items()]
+    for method in ("standard", "one_sync"):
+        steps = int(sx.bicgstab(lambda x: d * x, b, rtol=0.0, max_steps=iterations,
+                                method=method).iterations)
+        assert steps == iterations, (method, steps)
+    rows = []
+    for fns, base in ((cg, "jax.scipy cg"), (bicgstab, "jax.scipy bicgstab")):
+        runs = interleaved(fns, d, b)
+        rows += [dict(problem=f"latency-bound mesh, n={n}, 8 devices", solver=k,
+                      ms_per_iteration=1e3 * t / iterations, ratio_to_jax_scipy=t / runs[base],
+                      all_reduces_per_iteration=sx.count_collectives(fns[k], d,
+                                                                     b).per_iteration)
+                 for k, t in runs.items()]
+    return rows
 
 
 def main():
@@ -223,8 +280,13 @@ def main():
                     jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_poisson, n_poisson))),
                     reference="jax.scipy cg")
     rows += problem(f"convection-diffusion {n_cd}x{n_cd}", convection_diffusion(10.0),
-                    gmres_solvers,
+                    nonsymmetric_solvers,
                     jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_cd, n_cd))),
+                    reference="jax.scipy gmres batched")
+    n_sp = 16 if args.small else 128
+    rows += problem(f"saddle-point {n_sp}x{n_sp} x2", saddle_point, indefinite_solvers,
+                    {"u": jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_sp, n_sp))),
+                     "p": jnp.asarray(0.1 * rng.standard_normal((n_sp, n_sp)))},
                     reference="jax.scipy gmres batched")
     print(f"{'problem':28s} {'solver':30s} {'compile s':>9s} {'/jax.scipy':>10s} {'run s':>8s} "
           f"{'matvecs':>7s} {'ms/matvec':>9s} {'true rel.res':>12s} {'/fastest peer':>13s}")
@@ -256,10 +318,9 @@ def main():
         labels = [f"{r['problem'].split()[0]}: {r['solver']}" for r in rows]
         fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
         ax.barh(labels, [r["ratio_to_fastest_peer"] for r in rows],
-                color=["tab:blue" if "solvax" in r["solver"] else
-                       "tab:olive" if r["solver"] in OTHER_METHOD else "tab:gray" for r in rows])
+                color=["tab:blue" if "solvax" in r["solver"] else "tab:gray" for r in rows])
         ax.axvline(1.0, color="k", lw=0.8)
-        ax.set_xlabel("run time / fastest peer (lower is better)")
+        ax.set_xlabel("run time / fastest peer of the same method family (lower is better)")
         ax.invert_yaxis()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)

@@ -20,6 +20,19 @@ def convection_diffusion(strength=10.0):
     return matvec
 
 
+def saddle_point(x):
+    """A symmetric indefinite (saddle-point) operator on the pytree `{"u", "p"}`
+    of two n x n grids: `[[K, B^T], [B, 0]]`, the KKT matrix of minimizing
+    `u^T K u / 2 - f^T u` subject to `B u = g`, with K the 5-point Laplacian
+    and `B = I + D / 4`, D the forward difference along axis 0 (diagonally
+    dominant: the constraint is well posed for every n)."""
+    u, p = x["u"], x["p"]
+    zero = jnp.zeros_like(u[:1])
+    bu = u + 0.25 * (jnp.concatenate([u[1:], zero]) - u)
+    btp = p + 0.25 * (jnp.concatenate([zero, p[:-1]]) - p)
+    return {"u": poisson(u) + btp, "p": bu}
+
+
 def parse_args(doc):
     """The options every problem benchmark takes: --json, --plot, --small."""
     import argparse
