@@ -8,6 +8,16 @@ multi-process submodule.
 
 from . import _compat  # noqa: F401  (shims for the oldest supported JAX)
 from ._bicgstab import bicgstab as bicgstab
+from ._block_tridiagonal import BlockTridiagonalFactors as BlockTridiagonalFactors
+from ._block_tridiagonal import banded_solve as banded_solve
+from ._block_tridiagonal import block_tridiagonal_factor as block_tridiagonal_factor
+from ._block_tridiagonal import block_tridiagonal_solve as block_tridiagonal_solve
+from ._block_tridiagonal import (
+    block_tridiagonal_solve_factored as block_tridiagonal_solve_factored,
+)
+from ._block_tridiagonal import (
+    cyclic_block_tridiagonal_solve as cyclic_block_tridiagonal_solve,
+)
 from ._cg import pcg as pcg
 from ._cg import pcg_linear_solve as pcg_linear_solve
 from ._comm import CollectiveReport as CollectiveReport
@@ -18,6 +28,9 @@ from ._linear_solve import linear_solve as linear_solve
 from ._minres import minres as minres
 from ._parallel import shard_batch as shard_batch
 from ._parallel import shard_map as shard_map
+from ._partitioned import (
+    partitioned_block_tridiagonal_solve as partitioned_block_tridiagonal_solve,
+)
 from ._partitioned import partitioned_tridiagonal_solve as partitioned_tridiagonal_solve
 from ._precond import block_jacobi as block_jacobi
 from ._precond import chebyshev as chebyshev
@@ -32,7 +45,12 @@ from ._tridiagonal import tridiagonal_solve as tridiagonal_solve
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockTridiagonalFactors",
+    "banded_solve",
     "bicgstab",
+    "block_tridiagonal_factor",
+    "block_tridiagonal_solve",
+    "block_tridiagonal_solve_factored",
     "CollectiveReport",
     "InnerProduct",
     "Solution",
@@ -40,6 +58,7 @@ __all__ = [
     "block_jacobi",
     "chebyshev",
     "count_collectives",
+    "cyclic_block_tridiagonal_solve",
     "cyclic_tridiagonal_solve",
     "estimate_spectrum",
     "gmres",
@@ -47,6 +66,7 @@ __all__ = [
     "jacobi",
     "linear_solve",
     "minres",
+    "partitioned_block_tridiagonal_solve",
     "partitioned_tridiagonal_solve",
     "pcg",
     "pcg_linear_solve",

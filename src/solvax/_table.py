@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._bicgstab import bicgstab
+from ._block_tridiagonal import block_tridiagonal_solve
 from ._cg import pcg
 from ._comm import count_collectives
 from ._gmres import gmres
@@ -26,7 +27,7 @@ from ._idrs import idrs
 from ._linear_solve import linear_solve
 from ._minres import minres
 from ._parallel import shard_map
-from ._partitioned import partitioned_tridiagonal_solve
+from ._partitioned import partitioned_block_tridiagonal_solve, partitioned_tridiagonal_solve
 from ._tridiagonal import cyclic_tridiagonal_solve, tridiagonal_solve
 
 
@@ -73,6 +74,12 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
     bands = (lower, put(4.0 + rng.random((24, batch)), None, "i"), upper, rhs)
     split = tuple(put(rng.standard_normal((n, 4)) + (4.0 if k == 1 else 0.0), "i")
                   for k in range(4))
+    blocks = tuple(put(rng.standard_normal((n // 8, 8, 4, 4)) + (8 * np.eye(4) if k == 1 else 0),
+                       "i") for k in range(3))
+    block_rhs = put(rng.standard_normal((n // 8, 8, 4)), "i")
+    split_blocks = tuple(put(rng.standard_normal((n // 8, 4, 4)) + (8 * np.eye(4) if k == 1
+                                                                     else 0), "i")
+                         for k in range(3)) + (put(rng.standard_normal((n // 8, 4)), "i"),)
     tree_d = {"vector": diag, "field": put(2.0 + rng.random((4, n)), None, "i")}
     tree_b = {"vector": vec(), "field": put(rng.standard_normal((4, n)), None, "i")}
     return {
@@ -83,6 +90,12 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
         "tridiagonal, solve axis sharded (partitioned)": (
             lambda lo, d, up, r: partitioned_tridiagonal_solve(lo, d, up, r, axis_name="i",
                                                                mesh=mesh), split),
+        "block tridiagonal 4x4, batch sharded (vmap)": (
+            jax.vmap(block_tridiagonal_solve), (*blocks, block_rhs)),
+        "block tridiagonal 4x4, solve axis sharded (partitioned)": (
+            lambda lo, d, up, r: partitioned_block_tridiagonal_solve(lo, d, up, r,
+                                                                     axis_name="i", mesh=mesh),
+            split_blocks),
         "PCG": (lambda d, b: pcg(_diag(d), b).x, (diag, vec())),
         "PCG, single_reduction=True": (
             lambda d, b: pcg(_diag(d), b, single_reduction=True).x, (diag, vec())),
