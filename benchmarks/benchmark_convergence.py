@@ -178,24 +178,51 @@ def main():
                        "results": results}, f, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
-        import matplotlib
+        plot(results, args.plot)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        problems = list(dict.fromkeys(r["problem"] for r in results))
-        fig, axes = plt.subplots(1, len(problems), figsize=(7 * len(problems), 5))
-        for ax, problem in zip(np.atleast_1d(axes), problems):
-            for r in results:
-                if r["problem"] == problem:
-                    ax.semilogy(r["history"], label=f"{r['solver']} / {r['precond']}", lw=1)
+def plot(results, path):
+    """Residual histories as small multiples (problem x preconditioner)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # small multiples: one row per problem, one column per preconditioner,
+    # one color per method (the same in every panel), the legend outside
+    problems = list(dict.fromkeys(r["problem"] for r in results))
+    preconds = list(dict.fromkeys(r["precond"] for r in results))
+    methods = list(dict.fromkeys(r["solver"] for r in results if r["history"]))
+    palette = plt.cm.tab10 if len(methods) <= 10 else plt.cm.tab20
+    colors = {m: palette(i % palette.N) for i, m in enumerate(methods)}
+    styles = {m: "--" if "one_sync" in m or "s=8" in m else "-" for m in methods}
+    fig, axes = plt.subplots(len(problems), len(preconds), squeeze=False,
+                             figsize=(3.2 * len(preconds) + 2.6, 2.6 * len(problems)),
+                             sharey=True)
+    for i, problem in enumerate(problems):
+        for j, precond in enumerate(preconds):
+            ax = axes[i][j]
+            runs = [r for r in results if r["problem"] == problem
+                    and r["precond"] == precond and r["history"]]
+            for r in runs:
+                ax.semilogy(r["history"], color=colors[r["solver"]],
+                            ls=styles[r["solver"]], lw=1, label=r["solver"])
             ax.axhline(RTOL, color="k", ls=":", lw=0.8)
-            ax.set(title=problem, xlabel="iteration (accepted step)",
-                   ylabel="relative residual norm")
-            ax.legend(fontsize=6, ncol=2)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
-        print(f"wrote {args.plot}")
+            if not runs:
+                ax.set_axis_off()
+            ax.set_title(f"{problem}, {precond}", fontsize=8)
+            if i == len(problems) - 1:
+                ax.set_xlabel("iteration (accepted step)", fontsize=8)
+            if j == 0:
+                ax.set_ylabel("relative residual", fontsize=8)
+            ax.tick_params(labelsize=7)
+    handles = [plt.Line2D([], [], color=colors[m], ls=styles[m]) for m in methods]
+    fig.legend(handles, methods, loc="center right", fontsize=7, frameon=False)
+    fig.suptitle(f"Residual histories to rtol {RTOL:g} (jax {jax.__version__}, CPU); "
+                 "dotted: the tolerance", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1 - 2.4 / fig.get_figwidth(), 0.97))
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

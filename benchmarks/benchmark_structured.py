@@ -88,15 +88,17 @@ def main():
         row = dict(m=m, n=n, batch=batch, solve_s=timed(solve, lower, diag, upper, rhs),
                    factor_s=timed(factor, lower, diag, upper),
                    solve_factored_s=timed(solve_factored, f, rhs))
-        nd = max(1, DENSE_LIMIT // m)
+        nd = min(n, max(1, DENSE_LIMIT // m))
         small = tuple(a[:, :nd] for a in (lower, diag, upper, rhs))
         A = dense_matrices(*small[:3])
         row["dense_n"] = nd
-        row["dense_s"] = timed(lambda A, r: jnp.linalg.solve(A, r.reshape(r.shape[0], -1)),
-                               A, small[3])
+        def dense_solve(A, r):
+            return jnp.linalg.solve(A, r.reshape(r.shape[0], -1, 1))[..., 0]
+
+        row["dense_s"] = timed(dense_solve, A, small[3])
         row["block_same_n_s"] = timed(solve, *small)
-        err = jnp.linalg.norm(solve(*small).reshape(batch, -1) - jnp.linalg.solve(
-            A, small[3].reshape(batch, -1))) / jnp.linalg.norm(small[3])
+        err = jnp.linalg.norm(solve(*small).reshape(batch, -1) - dense_solve(A, small[3])
+                              ) / jnp.linalg.norm(small[3])
         row["error_vs_dense"] = float(err)
         if m == 1:
             bands = [a[..., 0, 0].T for a in (lower, diag, upper)]

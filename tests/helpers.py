@@ -178,7 +178,6 @@ SOLVERS = {s.name: s for s in [
     # cycle (the loop body is the unrolled cycle)
     # (the unrolled cycle's loop body holds s + 1 all-reduces)
     Solver("idrs", sx.idrs, "idrs", True, (7, 14, 5)),
-    Solver("idrs_s1", functools.partial(sx.idrs, s=1), "idrs", True, (4, 8, 2)),
     # the scale, the setup's ||b||^2, one per Lanczos step (the inner loop), and
     # the true residual of each round (the outer loop, like GMRES's restarts);
     # Hermitian operators only
@@ -210,8 +209,7 @@ def tolerance(dtype, name: str = "") -> tuple[float, float]:
     return 1e-10, 1e-7
 
 
-LOW_SINGLE_PRECISION_ACCURACY = {"pcg_pipelined", "bicgstab_one_sync", "idrs", "idrs_s1",
-                                 "minres"}
+LOW_SINGLE_PRECISION_ACCURACY = {"pcg_pipelined", "bicgstab_one_sync", "idrs", "minres"}
 
 
 def count_primitives(closed_jaxpr, prefix: str) -> int:

@@ -126,21 +126,6 @@ def test_vmap_over_systems_and_jit():
     assert rel_err(x, ref) < 1e-13
 
 
-def test_sharded_batch_is_collective_free():
-    """vmap over a batch axis sharded over 8 devices: no collective, forward or
-    under grad, and the output keeps the batch sharding."""
-    m8 = mesh(8)
-    batch = [blocks(6, 3, seed=s) for s in range(16)]
-    L, D, U = (put(jnp.stack([b[k] for b in batch]), m8, "i") for k in range(3))
-    R = put(jnp.asarray(np.random.default_rng(6).standard_normal((16, 6, 3))), m8, "i")
-    solve = jax.vmap(sx.block_tridiagonal_solve)
-    assert sx.count_collectives(solve, L, D, U, R).total == 0
-    loss = lambda *a: jnp.sum(solve(*a) ** 2)  # noqa: E731
-    assert sx.count_collectives(jax.grad(loss, argnums=(0, 1, 2, 3)), L, D, U, R).total == 0
-    x = jax.jit(solve)(L, D, U, R)
-    assert x.sharding.spec == P("i")
-
-
 def test_singular_pivot_block_gives_nonfinite():
     """What comes back for a singular pivot block (documented): Inf/NaN from
     that block on."""
