@@ -213,10 +213,13 @@ def block_tridiagonal_solve(lower, diag, upper, rhs):
     return block_tridiagonal_solve_factored(block_tridiagonal_factor(lower, diag, upper), rhs)
 
 
-def _band_blocks(ab, lower_bandwidth: int, upper_bandwidth: int, m: int, nblocks: int):
+def _band_blocks(ab, lower_bandwidth: int, upper_bandwidth: int, m: int, nblocks: int,
+                 periodic: bool = False):
     """The `(nblocks, m, m)` lower, diagonal and upper blocks of the matrix
     whose `scipy.linalg.solve_banded` storage is `ab` (`a[i, j] = ab[u + i - j,
-    j]`), padded with identity rows to `nblocks * m`: gathers with static indices."""
+    j]`), padded with identity rows to `nblocks * m`: gathers with static
+    indices. `periodic`: columns wrap around (`n = nblocks * m`), so
+    `lower[0]` and `upper[-1]` are the corner blocks."""
     import numpy as np
 
     n = ab.shape[1]
@@ -224,7 +227,12 @@ def _band_blocks(ab, lower_bandwidth: int, upper_bandwidth: int, m: int, nblocks
     out = []
     for offset in (-1, 0, 1):
         cols = (np.arange(nblocks)[:, None, None] + offset) * m + np.arange(m)[None, None, :]
-        band_row = upper_bandwidth + rows - cols
+        if periodic:  # the distance j - i as the shortest way around
+            distance = (cols - rows + n // 2) % n - n // 2
+            cols = cols % n
+            band_row = upper_bandwidth - distance
+        else:
+            band_row = upper_bandwidth + rows - cols
         inside = ((band_row >= 0) & (band_row <= lower_bandwidth + upper_bandwidth)
                   & (cols >= 0) & (cols < n) & (rows < n))
         values = ab[np.clip(band_row, 0, ab.shape[0] - 1), np.clip(cols, 0, n - 1)]
@@ -235,7 +243,8 @@ def _band_blocks(ab, lower_bandwidth: int, upper_bandwidth: int, m: int, nblocks
     return out
 
 
-def banded_solve(bands, rhs, *, lower_bandwidth: int, upper_bandwidth: int):
+def banded_solve(bands, rhs, *, lower_bandwidth: int, upper_bandwidth: int,
+                 periodic: bool = False):
     """Solve a banded system stored as for `scipy.linalg.solve_banded`.
 
     `bands[u + i - j, j] = A[i, j]` with `u = upper_bandwidth`, shape
@@ -250,6 +259,11 @@ def banded_solve(bands, rhs, *, lower_bandwidth: int, upper_bandwidth: int):
         bands: `(l + u + 1, n)`, real or complex.
         rhs: `(n,)` or `(n, *K)`.
         lower_bandwidth, upper_bandwidth: `l` and `u`, Python ints >= 0.
+        periodic: the matrix wraps around: entry `A[i, (i + d) mod n]` for
+            `-l <= d <= u` is `bands[u - d, (i + d) mod n]` (the entries SciPy's
+            storage leaves unused hold the corners). Solved by
+            `cyclic_block_tridiagonal_solve`; needs `n` a multiple of
+            `max(l, u, 1)` with at least 3 blocks.
 
     Returns:
         `x` with `rhs`'s shape. Differentiable with respect to `bands` and
@@ -279,7 +293,15 @@ def banded_solve(bands, rhs, *, lower_bandwidth: int, upper_bandwidth: int):
     bands, rhs = jnp.asarray(bands, dtype), jnp.asarray(rhs, dtype)
     m = max(lower_bandwidth, upper_bandwidth, 1)
     nblocks = -(-n // m)
-    lower, diag, upper = _band_blocks(bands, lower_bandwidth, upper_bandwidth, m, nblocks)
+    if periodic and (n % m or nblocks < 3):
+        raise ValueError(f"A periodic banded solve groups rows into blocks of max(l, u, 1) = "
+                         f"{m}: it needs n a multiple of {m} with at least 3 blocks; got "
+                         f"n = {n}.")
+    lower, diag, upper = _band_blocks(bands, lower_bandwidth, upper_bandwidth, m, nblocks,
+                                      periodic)
+    if periodic:
+        return cyclic_block_tridiagonal_solve(lower, diag, upper, rhs.reshape(
+            (nblocks, m) + rhs.shape[1:])).reshape(rhs.shape)
     extra = rhs.shape[1:]
     padded = jnp.zeros((nblocks * m,) + extra, dtype).at[:n].set(rhs)
     x = block_tridiagonal_solve(lower, diag, upper, padded.reshape((nblocks, m) + extra))
