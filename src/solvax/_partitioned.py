@@ -200,31 +200,41 @@ def partitioned_tridiagonal_solve(lower, diag, upper, rhs, *, axis_name, mesh=No
     dtype = jnp.result_type(lower, diag, upper, rhs)
     lower, diag, upper, rhs = (jnp.asarray(a, dtype) if not isinstance(a, jax.Array) else
                                a.astype(dtype) for a in (lower, diag, upper, rhs))
-    if mesh is None:
-        nparts = _axis_size(axis_name)
-        local_rows = diag.shape[0]
-    else:
-        if axis_name not in mesh.axis_names:
-            raise ValueError(f"`axis_name` {axis_name!r} is not an axis of the mesh "
-                             f"{tuple(mesh.axis_names)}.")
-        nparts = mesh.shape[axis_name]
-        for name, arr in (("lower", lower), ("diag", diag), ("upper", upper), ("rhs", rhs)):
-            _check_leading_sharding(name, arr, axis_name)
-        if diag.shape[0] % nparts:
-            raise ValueError(f"The solve axis has n = {diag.shape[0]} rows, not divisible by the "
-                             f"{nparts} devices of mesh axis {axis_name!r}; pad the system "
-                             "(e.g. identity rows) to a multiple.")
-        local_rows = diag.shape[0] // nparts
-    if local_rows < 2:
-        raise ValueError(f"The partitioned solve needs at least 2 rows per device; got "
-                         f"{local_rows} (n = {local_rows * nparts} over {nparts} devices). "
-                         "Use `tridiagonal_solve` without `axis_name` for such small systems.")
+    _local_rows(diag.shape[0], axis_name, mesh, dict(lower=lower, diag=diag, upper=upper,
+                                                     rhs=rhs), "rows", "tridiagonal_solve")
     if mesh is None:
         return _partitioned(lower, diag, upper, rhs, axis_name, method)
     spec = jax.sharding.PartitionSpec(axis_name)
     run = shard_map(lambda *a: _partitioned(*a, axis_name, method), mesh=mesh,
                     in_specs=(spec,) * 4, out_specs=spec)
     return run(lower, diag, upper, rhs)
+
+
+def _local_rows(n: int, axis_name, mesh, arrays: dict, unit: str, single: str) -> int:
+    """The rows per device of a partitioned solve of `n` rows (local rows
+    inside `shard_map` when `mesh` is None), checked: `axis_name` an axis of
+    the mesh, no array sharded over it on a non-leading axis, `n` divisible
+    by the devices, at least 2 rows per device (`single` names the solve to
+    use instead)."""
+    if mesh is None:
+        nparts, local = _axis_size(axis_name), n
+    else:
+        if axis_name not in mesh.axis_names:
+            raise ValueError(f"`axis_name` {axis_name!r} is not an axis of the mesh "
+                             f"{tuple(mesh.axis_names)}.")
+        nparts = mesh.shape[axis_name]
+        for name, arr in arrays.items():
+            _check_leading_sharding(name, arr, axis_name)
+        if n % nparts:
+            raise ValueError(f"The solve axis has n = {n} {unit}, not divisible by the "
+                             f"{nparts} devices of mesh axis {axis_name!r}; pad the system "
+                             "(e.g. identity rows) to a multiple.")
+        local = n // nparts
+    if local < 2:
+        raise ValueError(f"The partitioned solve needs at least 2 {unit} per device; got "
+                         f"{local} (n = {local * nparts} over {nparts} devices). Use "
+                         f"`{single}` without `axis_name` for such small systems.")
+    return local
 
 
 def _check_leading_sharding(name, arr, axis_name):
@@ -388,21 +398,9 @@ def partitioned_block_tridiagonal_solve(lower, diag, upper, rhs, *, axis_name, m
                          f"(k,) to match the blocks; got {tuple(rhs.shape)}.")
     vector = rhs.ndim == 2
     rhs = rhs[..., None] if vector else rhs
-    if mesh is None:
-        nparts, local_rows = _axis_size(axis_name), diag.shape[0]
-    else:
-        if axis_name not in mesh.axis_names:
-            raise ValueError(f"`axis_name` {axis_name!r} is not an axis of the mesh "
-                             f"{tuple(mesh.axis_names)}.")
-        nparts = mesh.shape[axis_name]
-        if diag.shape[0] % nparts:
-            raise ValueError(f"The solve axis has n = {diag.shape[0]} block rows, not "
-                             f"divisible by the {nparts} devices of mesh axis {axis_name!r}; "
-                             "pad the system (identity blocks) to a multiple.")
-        local_rows = diag.shape[0] // nparts
-    if local_rows < 2:
-        raise ValueError(f"The partitioned solve needs at least 2 block rows per device; got "
-                         f"{local_rows}. Use `block_tridiagonal_solve` for such small systems.")
+    _local_rows(diag.shape[0], axis_name, mesh, dict(lower=lower, diag=diag, upper=upper,
+                                                     rhs=rhs), "block rows",
+                "block_tridiagonal_solve")
     if mesh is None:
         x = _partitioned_block(lower, diag, upper, rhs, axis_name)
     else:
