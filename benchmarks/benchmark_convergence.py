@@ -56,7 +56,7 @@ def preconditioners(name, matvec, n, b):
     return out
 
 
-def solvers(name):
+def solvers(name, small=False):
     max_restarts = 100
     gmres = {
         "gmres cgs2": dict(fn=sx.gmres, restart=RESTART, orthogonalization="cgs2",
@@ -70,7 +70,8 @@ def solvers(name):
         return {**gmres,
                 "bicgstab standard": dict(fn=sx.bicgstab, method="standard", max_steps=5000),
                 "bicgstab one_sync": dict(fn=sx.bicgstab, method="one_sync", max_steps=5000),
-                **{f"idrs s={s}": dict(fn=sx.idrs, s=s, max_steps=10000) for s in (1, 2, 4, 8)}}
+                **{f"idrs s={s}": dict(fn=sx.idrs, s=s, max_steps=10000)
+                   for s in ((4,) if small else (1, 2, 4, 8))}}
     cg = {
         "pcg standard": dict(fn=sx.pcg, method="standard", max_steps=5000),
         "pcg single_reduction": dict(fn=sx.pcg, method="single_reduction", max_steps=5000),
@@ -158,7 +159,7 @@ def main():
         if problem == "saddle-point":
             b = {"u": b, "p": jnp.asarray(0.1 * rng.standard_normal((n, n)))}
         for pname, precond in preconditioners(problem, matvec, n, b).items():
-            for sname, options in solvers(problem).items():
+            for sname, options in solvers(problem, args.small).items():
                 row = dict(problem=f"{problem} {n}x{n}", solver=sname, precond=pname,
                            **run_one(matvec, b, options, precond))
                 results.append(row)

@@ -17,7 +17,7 @@ true final relative residual, time per matvec and the ratio to the fastest
 peer of the same method family (`FAMILY`: IDR(s) is measured against the
 BiCGStab peers, the short-recurrence methods it competes with; MINRES
 against solvax's GMRES, no peer has MINRES).
-`--small` shrinks every problem (a smoke test).
+`--small` shrinks every problem and measures each time once (a smoke test).
 """
 
 import json
@@ -270,6 +270,9 @@ def latency(n, iterations=200):
 def main():
     args = parse_args(__doc__)
     n_poisson, n_cd = (32, 16) if args.small else (512, 256)
+    if args.small:  # a smoke test: one measurement each
+        global REPEATS, COMPILE_REPEATS
+        REPEATS = COMPILE_REPEATS = 1
     rng = np.random.default_rng(0)
     meta = {"jax": jax.__version__, "lineax": getattr(lx, "__version__", None),
             "cpu_count": os.cpu_count(), "load_average": os.getloadavg(),

@@ -44,8 +44,9 @@ def dense_solve(lower, diag, upper, rhs):
     return jnp.linalg.solve(dense(lower, diag, upper), r).reshape(rhs.shape)
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.complex128, np.float32, np.complex64])
-@pytest.mark.parametrize("m,rhs_tail", [(1, (3,)), (2, ()), (5, (2, 2))])
+@pytest.mark.parametrize("dtype,m,rhs_tail", [
+    (np.float64, 1, (3,)), (np.float64, 5, (2, 2)), (np.complex128, 2, ()),
+    (np.complex128, 5, (3,)), (np.float32, 2, (2,)), (np.complex64, 3, ())])
 def test_matches_dense(dtype, m, rhs_tail):
     n = 9
     lower, diag, upper = blocks(n, m, dtype=dtype)
@@ -152,8 +153,7 @@ def test_bad_input():
 
 
 # ------------------------------------------------------------------- banded
-@pytest.mark.parametrize("l,u,n", [(0, 0, 7), (1, 1, 1), (1, 1, 24), (2, 3, 24), (3, 1, 7),
-                                   (0, 2, 24), (4, 0, 24)])
+@pytest.mark.parametrize("l,u,n", [(0, 0, 7), (1, 1, 1), (2, 3, 24), (3, 1, 7), (4, 0, 24)])
 def test_banded_matches_scipy(l, u, n):
     rng = np.random.default_rng(l * 10 + u)
     ab = rng.standard_normal((l + u + 1, n))
@@ -231,10 +231,11 @@ def test_cyclic_needs_three_block_rows():
 
 
 # ----------------------------------------------- solve axis sharded (SPIKE)
-@pytest.mark.parametrize("ndev,rhs_tail", [(2, ()), (4, (2,)), (8, ())])
+@pytest.mark.parametrize("ndev,rhs_tail", [(2, ()), (8, (2,))])
 def test_partitioned_matches_single_device(ndev, rhs_tail):
-    """Accurate to 1e-12 against the single-device solve; one all-gather for
-    the solve, two for its gradient, whatever n and P (pinned)."""
+    """Accurate to 1e-12 against the single-device solve, gradients to 1e-10;
+    one all-gather for the solve, two for its gradient (the counts for
+    P = 2, 4, 8: tests/test_sharding.py)."""
     m8 = mesh(ndev)
     L, D, U = (jnp.asarray(a) for a in blocks(8 * ndev, 3, seed=ndev))
     r = jnp.asarray(np.random.default_rng(ndev).standard_normal((8 * ndev, 3, *rhs_tail)))
@@ -297,7 +298,7 @@ def test_partitioned_bad_input():
                                                mesh=m8)
 
 
-@pytest.mark.parametrize("l,u,n", [(1, 1, 9), (2, 1, 12), (0, 2, 8)])
+@pytest.mark.parametrize("l,u,n", [(1, 1, 9), (2, 1, 12)])
 def test_periodic_banded_matches_dense(l, u, n):
     rng = np.random.default_rng(n)
     ab = rng.standard_normal((l + u + 1, n))
