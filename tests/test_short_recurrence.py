@@ -265,3 +265,20 @@ def test_idrs_reduction_per_matvec_inside_shard_map():
     assert count_primitives(jaxpr, "psum") == 1 + 4 + 1
     assert rel_err(f(jnp.ones(64)), np.full(64, 0.5)) < 1e-12
 
+
+
+def test_idrs_default_s_counts():
+    """IDR(4), the default (the registry runs s = 2): 7 collectives, 5 per
+    cycle of 5 matvecs, 14 for the adjoint (the table's row)."""
+    from helpers import mesh, put
+
+    m = mesh(8)
+    d = put(jnp.asarray(2.0 + np.random.default_rng(0).random(256)), m, "i")
+    b = put(rhs(256), m, "i")
+
+    def f(d, b):
+        return sx.idrs(lambda x: d * x, b).x
+
+    primal = sx.count_collectives(f, d, b)
+    adjoint = sx.count_collectives(jax.grad(lambda d, b: jnp.sum(f(d, b) ** 2), (0, 1)), d, b)
+    assert (primal.total, primal.per_iteration, adjoint.total) == (7, 5, 14), str(primal)
