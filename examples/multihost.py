@@ -63,7 +63,7 @@ def main():
         from solvax import distributed
 
         result = distributed.launch(os.path.abspath(__file__), ["--worker"],
-                                    num_processes=args.local, local_devices=4, timeout=120)
+                                    num_processes=args.local, local_devices=4, timeout=300)
         print(result.report())
         sys.exit(0 if result.ok else 1)
     if args.worker:

@@ -34,7 +34,7 @@ def single_process_counts():
 
 
 def test_two_processes_match_one_process(tmp_path):
-    result = distributed.launch(WORKER, num_processes=2, local_devices=4, timeout=100,
+    result = distributed.launch(WORKER, num_processes=2, local_devices=4, timeout=300,
                                 output_dir=str(tmp_path))
     assert result.ok, result.report()
     expected = single_process_counts()
@@ -111,7 +111,7 @@ def test_example_runs_locally():
     example = pathlib.Path(__file__).resolve().parents[1] / "examples" / "multihost.py"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, str(example), "--local", "2"], capture_output=True,
-                         text=True, timeout=150, env=env)
+                         text=True, timeout=400, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("converged=True") == 2
 
