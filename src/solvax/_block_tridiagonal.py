@@ -28,6 +28,7 @@ from jax import lax
 from jax.scipy.linalg import lu_factor, lu_solve
 
 from . import _checks
+from ._tridiagonal import _shift_down, _shift_up
 
 
 class BlockTridiagonalFactors(NamedTuple):
@@ -137,9 +138,9 @@ def _solve_transposed(f: BlockTridiagonalFactors, rhs):
         return w, w
 
     zero = jnp.zeros_like(rhs[0])
-    C_prev = jnp.concatenate([jnp.zeros_like(f.C[:1]), f.C[:-1]])
+    C_prev = _shift_down(f.C)
     _, w = lax.scan(forward, zero, (C_prev, rhs))
-    L_next = jnp.concatenate([f.lower[1:], jnp.zeros_like(f.lower[:1])])
+    L_next = _shift_up(f.lower)
 
     def backward(z_next, row):
         lu, piv, L, w = row
@@ -151,9 +152,7 @@ def _solve_transposed(f: BlockTridiagonalFactors, rhs):
 
 
 def _matvec(f: BlockTridiagonalFactors, x):
-    below = jnp.concatenate([jnp.zeros_like(x[:1]), x[:-1]])
-    above = jnp.concatenate([x[1:], jnp.zeros_like(x[:1])])
-    return f.lower @ below + f.diag @ x + f.upper @ above
+    return f.lower @ _shift_down(x) + f.diag @ x + f.upper @ _shift_up(x)
 
 
 def block_tridiagonal_solve_factored(factors: BlockTridiagonalFactors, rhs):

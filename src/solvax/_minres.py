@@ -12,6 +12,7 @@ from jax import lax
 
 from . import _checks, _driver, _reduce
 from . import _tree as tree
+from ._bicgstab import _nonzero
 from ._driver import Outcome, Problem
 from ._solution import RUNNING, Solution, Status, code, first_status
 
@@ -45,10 +46,6 @@ class _Context(NamedTuple):
     ip: _reduce.Reduction
     max_steps: int
     rtol: jax.Array  # the least-squares test's tolerance
-
-
-def _nonzero(value):
-    return jnp.where(value == 0, jnp.ones_like(value), value)
 
 
 def _step(st: _State, ctx: _Context) -> _State:

@@ -314,14 +314,6 @@ def _block_forward(lower, diag, upper, rhs, axis_name):
     return x, (x_prev, x_next), neighbours
 
 
-def _block_with_halo_down(x, first):
-    return jnp.concatenate([first[None], x[:-1]])
-
-
-def _block_with_halo_up(x, last):
-    return jnp.concatenate([x[1:], last[None]])
-
-
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
 def _partitioned_block(lower, diag, upper, rhs, axis_name):
     return _block_forward(lower, diag, upper, rhs, axis_name)[0]
@@ -333,18 +325,18 @@ def _partitioned_block_jvp(axis_name, primals, tangents):
     dlower, ddiag, dupper, drhs = tangents
     x, (x_prev, x_next), (upper_prev, lower_next) = _block_forward(lower, diag, upper, rhs,
                                                                   axis_name)
-    dA_x = (dlower @ _block_with_halo_down(x, x_prev) + ddiag @ x
-            + dupper @ _block_with_halo_up(x, x_next))
+    dA_x = (dlower @ _with_halo_down(x, x_prev) + ddiag @ x
+            + dupper @ _with_halo_up(x, x_next))
     swap = lambda a: jnp.swapaxes(a, -1, -2)  # noqa: E731
-    lower_t = swap(jnp.concatenate([upper_prev[None], upper[:-1]]))  # blocks of A^T
-    upper_t = swap(jnp.concatenate([lower[1:], lower_next[None]]))
+    lower_t = swap(_with_halo_down(upper, upper_prev))  # blocks of A^T
+    upper_t = swap(_with_halo_up(lower, lower_next))
 
     def matvec(z):  # A z with a ppermute halo; traced for the transpose, never run
         nparts = _axis_size(axis_name)
         down = lax.ppermute(z[-1], axis_name, [(q, q + 1) for q in range(nparts - 1)])
         up = lax.ppermute(z[0], axis_name, [(q + 1, q) for q in range(nparts - 1)])
-        return (lower @ _block_with_halo_down(z, down) + diag @ z
-                + upper @ _block_with_halo_up(z, up))
+        return (lower @ _with_halo_down(z, down) + diag @ z
+                + upper @ _with_halo_up(z, up))
 
     dx = lax.custom_linear_solve(
         matvec, drhs - dA_x,
