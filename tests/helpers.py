@@ -161,6 +161,10 @@ SOLVERS = {s.name: s for s in [
            functools.partial(sx.pcg, method="pipelined", residual_replacement=10), "pcg",
            False, (2, 4, 1)),
     Solver("pcg_linear_solve", sx.pcg_linear_solve, "pcg", False, (3, 6, 2)),
+    # one stacked Gram reduction per outer step of s CG steps (s = 3 here: an odd
+    # block and a Chebyshev recurrence with both terms; s = 4, 8 pinned on their own)
+    Solver("pcg_s_step", functools.partial(sx.pcg, method="s_step", s=3), "pcg_s_step", False,
+           (2, 4, 1)),
     Solver("gmres", functools.partial(sx.gmres, restart=20), "gmres", True, (3, 6, 2)),
     Solver("gmres_cgs2", functools.partial(sx.gmres, restart=20, orthogonalization="cgs2"),
            "gmres", True, (4, 8, 3)),

@@ -263,11 +263,13 @@ def _check_axes_bound(axes: tuple) -> None:
 
 
 def solve(method: Method, matvec, b, /, *, x0, precond, rtol, atol, inner_product, axis_name,
-          failed_derivative="nan", **options) -> Solution:
-    """`method` on `A x = b`, validated, differentiable and finished (1-4 above)."""
+          failed_derivative="nan", data=None, **options) -> Solution:
+    """`method` on `A x = b`, validated, differentiable and finished (1-4 above);
+    `data`: the method's own traced arguments (`Problem.data`)."""
     _checks.check_choice("failed_derivative", failed_derivative, FAILED_DERIVATIVES)
     problem = make_problem(matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                            inner_product=inner_product, axis_name=axis_name)
+    problem = problem._replace(data=data)
     if isinstance(problem.ip, _reduce.InnerProduct):  # a callable product reduces as it likes
         for name, op in (("matvec", problem.A), ("precond", problem.precond)):
             if op is not None:

@@ -9,7 +9,7 @@ all-reduce under `jit`, one `lax.psum` inside `shard_map`), independent of
 whether XLA's all-reduce combiner would have merged separate sums.
 
 Every kind of inner product derives from `Reduction`, whose only primitives
-are the two batched reductions `multi_dot` and `project_many`; `project`,
+are the batched reductions `multi_dot`, `project_many` and `gram`; `project`,
 `project_with_norm`, `dot` and `norm` are defined once, in the base, from
 them. So no kind can silently fall back to another's products.
 """
@@ -54,6 +54,12 @@ class Reduction(abc.ABC):
         """`([V^H x for x in xs], [<x, y> for x, y in pairs])`, shapes
         `(len(xs), m)` and `(len(pairs),)`, in one reduction; `basis` has
         leaves `(m, *leaf.shape)`."""
+
+    @abc.abstractmethod
+    def gram(self, basis: PyTree, other: PyTree) -> jax.Array:
+        """`V^H W` of shape `(m, k)` in one reduction, for bases with leaves
+        `(m, *leaf.shape)` and `(k, *leaf.shape)`: every product of a block
+        method's step at once (s-step CG)."""
 
     @abc.abstractmethod
     def max_abs(self, x: PyTree) -> jax.Array | None:
@@ -190,6 +196,18 @@ class InnerProduct(Reduction):
         return self._global_sum([_sum_vector_axes(jnp.stack(products))
                                  for products in self._pair_leaves(pairs)])
 
+    def gram(self, basis, other):
+        """Per leaf one contraction over the vector axes (a GEMM on one device;
+        under `jit` the partitioner reduces a sharded contracting axis with one
+        all-reduce), the per-leaf blocks added before the one global sum."""
+        def block(v, w):
+            axes = tuple(range(1, v.ndim))
+            return lax.dot_general(jnp.conj(v), w, ((axes, axes), ((), ())))
+
+        partials = [block(v, w) for v, w in
+                    zip(self._leaves(basis), self._leaves(other, weighted=True))]
+        return self._global_sum(partials)
+
     def _separate_kernels(self) -> bool:
         """Whether the products of one step may run as separate fast kernels.
 
@@ -257,6 +275,9 @@ class _CallableInnerProduct(Reduction):
 
     def multi_dot(self, pairs):
         return jnp.stack([jnp.asarray(self.fn(x, y)) for x, y in pairs])
+
+    def gram(self, basis, other):
+        return jax.vmap(lambda v: jax.vmap(lambda w: jnp.asarray(self.fn(v, w)))(other))(basis)
 
     def project_many(self, basis, xs, pairs=()):
         projections = jnp.stack([jax.vmap(lambda v, x=x: jnp.asarray(self.fn(v, x)))(basis)

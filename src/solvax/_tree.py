@@ -123,6 +123,12 @@ def basis_fill(basis: PyTree, j, rows: list[PyTree], pred) -> PyTree:
     return tree_map(fill, basis, *rows)
 
 
+def basis_of(vectors: list[PyTree]) -> PyTree:
+    """The basis whose rows are `vectors`: each leaf stacked on a new leading
+    axis (the sharding of the vector axes is kept; nothing is flattened)."""
+    return tree_map(lambda *leaves: jnp.stack(leaves), *vectors)
+
+
 def basis_combine(basis: PyTree, coeffs) -> PyTree:
     """`sum_j coeffs[j] * basis[j]`: a contraction over the basis axis only."""
     return basis_combine_many(basis, [coeffs])[0]

@@ -1,0 +1,310 @@
+"""s-step (communication-avoiding) conjugate gradients: one reduction per s steps.
+
+`pcg(method="s_step", s=...)` runs here. Each outer step does s CG steps at
+once, in the block form of Chronopoulos & Gear (1989):
+
+1. Krylov block. From `z = M r`, s vectors `V = [v_0, ..., v_{s-1}]` spanning
+   `K_s(M A, z)` by a three-term polynomial recurrence (`_recurrence`:
+   Chebyshev, Newton or monomial), with `A V` from s matvecs; `Y = M^{-1} V`
+   rides along by the same recurrence on `A V` (no `M^{-1}` is applied).
+2. One reduction. `[V, Q]^H A V`, `V^H Y` (or `V^H r`), `Q^H r` and `<r, r>`
+   in **one** `project_many` call, where `Q` is the previous outer step's block
+   of directions (kept with `A Q`).
+3. Locally, on s x s matrices: `B = W^+ Q^H A V` (W = Q^H A Q, carried),
+   `P = V - Q B` (A-orthogonal to every earlier block, as CG's directions
+   are), `W' = P^H A P = V^H A V - (Q^H A V)^H B` and the step
+   `a = W'^+ P^H r`; then `x += P a`, `r -= A P a`. In exact arithmetic
+   `x` is CG's iterate after s more steps (the A-norm of the error is
+   minimized over the same Krylov space), with s matvecs and s preconditioner
+   applications, as many as s CG steps.
+
+Finite precision. The s x s solves are spectral, on the diagonally scaled
+matrix: directions whose scaled eigenvalue is below `_RANK_TOL` of the largest
+are left out (the basis lost rank there; the step is still a Galerkin step
+on what is left), a clearly negative one is `INDEFINITE`, and a block with no
+direction left stops as `BREAKDOWN`. `A P` is updated by recurrence, so `r`
+drifts from `b - A x` as in any CG; `residual_replacement` recomputes it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _checks, _driver, _reduce
+from . import _tree as tree
+from ._driver import Outcome, Problem
+from ._solution import RUNNING, Status, first_status
+
+PyTree = Any
+
+BASES = ("chebyshev", "newton", "monomial")
+
+#: Scaled eigenvalues of a Gram matrix below this fraction of the largest are
+#: treated as lost rank (about 1e-10 in float64, 4e-5 in float32).
+_RANK_POWER = 5 / 8
+
+
+class _State(NamedTuple):
+    x: PyTree
+    r: PyTree  # recursively updated residual b - A x
+    Q: tuple  # the previous outer step's directions P (s vectors)
+    AQ: tuple  # A Q, by recurrence
+    W: tuple  # `_spectral(Q^H A Q)`: the previous step's, reused for `B`
+    center: jax.Array  # the basis polynomials' interval [center - half, center + half]
+    half: jax.Array
+    lmax: jax.Array  # largest Ritz value seen (when estimating; 0 before the first)
+    tol2: jax.Array  # squared stopping threshold
+    rr: jax.Array  # <r, r> at the top of the last outer step
+    k: jax.Array  # outer steps that updated x
+    status: jax.Array  # RUNNING, or why the loop stopped
+    go: jax.Array  # the last outer step updated x
+    history: jax.Array | None
+
+
+class _Context(NamedTuple):
+    A: Any
+    M: Any
+    identity: bool
+    ip: _reduce.Reduction
+    s: int
+    basis: str
+    estimate: bool  # spectrum from the Ritz values of each block (else given)
+    eps: float  # of the least precise leaf: it limits every product
+    rtol: jax.Array
+    atol: jax.Array
+    tol_from_rr: bool
+    max_outer: int
+    replace_every: int | None
+    b: PyTree
+
+
+def leja_order(nodes: np.ndarray) -> np.ndarray:
+    """`nodes` in Leja order: the largest in modulus first, then each next one
+    maximizing the product of distances to those before (keeps the Newton
+    basis's factors from growing or shrinking together)."""
+    nodes = np.asarray(nodes, float)
+    order = [int(np.argmax(np.abs(nodes)))]
+    for _ in range(len(nodes) - 1):
+        dist = np.prod([np.abs(nodes - nodes[i]) for i in order], axis=0)
+        dist[order] = -1
+        order.append(int(np.argmax(dist)))
+    return nodes[order]
+
+
+def _recurrence(basis: str, s: int, center, half):
+    """`(alpha, beta, gamma)` with `v_{j+1} = (M A v_j - alpha_j v_j -
+    beta_j v_{j-1}) / gamma_j`, j = 0..s-2, for polynomials on the interval
+    `[center - half, center + half]`: Chebyshev `T_j` of the shifted and
+    scaled operator; Newton with shifts at the Chebyshev nodes in Leja order;
+    monomial `(M A)^j` (for comparison only: its conditioning grows
+    exponentially with s)."""
+    j = max(s - 1, 1)
+    ones = jnp.ones((j,), jnp.result_type(center))
+    if basis == "monomial":
+        return 0 * ones, 0 * ones, ones
+    if basis == "newton":
+        nodes = leja_order(np.cos((2 * np.arange(j) + 1) * np.pi / (2 * j)))
+        return center + half * jnp.asarray(nodes, ones.dtype), 0 * ones, half * ones
+    gamma = (half / 2) * ones.at[0].set(2)
+    return center * ones, gamma.at[0].set(0) if j else gamma, gamma
+
+
+def _block(st: _State, ctx: _Context, z):
+    """`V`, `A V` and `Y = M^{-1} V` (lists of s vectors) from `z = M r`."""
+    alpha, beta, gamma = _recurrence(ctx.basis, ctx.s, st.center, st.half)
+    V, AV, Y = [z], [], [st.r]
+    for j in range(ctx.s):
+        with jax.named_scope("solvax.pcg.matvec"):
+            AV.append(ctx.A(V[j]))
+        if j == ctx.s - 1:
+            break
+        with jax.named_scope("solvax.pcg.precond"):
+            MAv = AV[j] if ctx.identity else ctx.M(AV[j])
+
+        def next_(w, prev, j=j):
+            out = tree.axpy(-alpha[j], prev[j], w)
+            if j:
+                out = tree.axpy(-beta[j], prev[j - 1], out)
+            return tree.scale(1 / gamma[j], out)
+
+        V.append(next_(MAv, V))
+        if not ctx.identity and ctx.estimate:
+            Y.append(next_(AV[j], Y))
+    return V, AV, V if ctx.identity else Y
+
+
+def _hermitian(X):
+    return (X + jnp.conj(X.T)) / 2
+
+
+def _spectral(W, eps):
+    """`(U, lam, d, keep)`: `diag(d) W diag(d) = U diag(lam) U^H` with `d` the
+    inverse square roots of W's diagonal (0 where it is not positive), and the
+    eigenvalues kept as numerically nonzero."""
+    diag = jnp.real(jnp.diagonal(W))
+    d = jnp.where(diag > 0, 1 / jnp.sqrt(jnp.where(diag > 0, diag, 1)), 0).astype(W.dtype)
+    lam, U = jnp.linalg.eigh(_hermitian(d[:, None] * W * d[None, :]))
+    top = jnp.max(jnp.abs(lam))
+    keep = lam > eps ** _RANK_POWER * top
+    return U, lam, d, keep
+
+
+def _pinv_times(spec, rhs):
+    """`W^+ rhs` (rhs a vector or a matrix) from `_spectral(W)`."""
+    U, lam, d, keep = spec
+    inv = jnp.where(keep, 1 / jnp.where(keep, lam, 1), 0).astype(U.dtype)
+    rhs2 = rhs if rhs.ndim == 2 else rhs[:, None]
+    out = d[:, None] * (U @ (inv[:, None] * (jnp.conj(U.T) @ (d[:, None] * rhs2))))
+    return out if rhs.ndim == 2 else out[:, 0]
+
+
+def _largest_ritz(G, N, eps):
+    """The largest eigenvalue of the pencil `(G, N)` (`G = V^H A V`,
+    `N = V^H M^{-1} V`): a lower bound of `M A`'s largest eigenvalue, close
+    after a few Krylov steps. Directions where `N` lost rank are left out."""
+    U, lam, d, keep = _spectral(N, eps)
+    root = jnp.where(keep, 1 / jnp.sqrt(jnp.where(keep, lam, 1)), 0).astype(U.dtype)
+    S = d[:, None] * U * root[None, :]  # N^{-1/2} on the kept directions
+    return jnp.max(jnp.linalg.eigvalsh(_hermitian(jnp.conj(S.T) @ G @ S)))
+
+
+def _outer_step(st: _State, ctx: _Context) -> _State:
+    real = st.tol2.dtype
+    eps = ctx.eps
+    s = ctx.s
+    if ctx.replace_every:
+        st = lax.cond((st.k > 0) & (st.k % ctx.replace_every == 0),
+                      lambda st: st._replace(r=tree.sub(ctx.b, ctx.A(st.x))), lambda st: st, st)
+    with jax.named_scope("solvax.pcg.precond"):
+        z = st.r if ctx.identity else ctx.M(st.r)
+    V, AV, Y = _block(st, ctx, z)
+    # X = [V, Q, x, r] and Z = [A V, r, Y_1..]: the step's products are X^H Z
+    X = tree.basis_of(V + list(st.Q) + [st.x, st.r])
+    Z = tree.basis_of(AV + [st.r] + (Y[1:] if ctx.estimate else []))
+    with jax.named_scope("solvax.pcg.reduce"):
+        XZ = ctx.ip.gram(X, Z)
+    G, C = XZ[:s, :s], XZ[s:2 * s, :s]  # V^H A V, Q^H A V
+    Vr, Qr = XZ[:s, s], XZ[s:2 * s, s]  # V^H r, Q^H r
+    rr = jnp.real(XZ[2 * s + 1, s])
+
+    tol2 = st.tol2
+    if ctx.tol_from_rr:
+        tol2 = jnp.where(st.k == 0, jnp.maximum(ctx.atol ** 2, ctx.rtol ** 2 * rr), tol2)
+    history = st.history
+    if history is not None:
+        history = history.at[st.k * s].set(_reduce.real_sqrt(rr))
+
+    B = _pinv_times(st.W, C)  # (s, s); 0 at the first step (Q = 0)
+    Wn = _hermitian(G - jnp.conj(C.T) @ B)  # P^H A P
+    spec = _spectral(Wn, eps)
+    _, lam, _, keep = spec
+    a = _pinv_times(spec, Vr - jnp.conj(B.T) @ Qr)  # P^H A P a = P^H r
+
+    finite = jnp.isfinite(rr) & jnp.all(jnp.isfinite(Wn))
+    indefinite = jnp.min(lam) < -(eps ** _RANK_POWER) * jnp.max(jnp.abs(lam))
+    status = first_status([(~finite, Status.NONFINITE), (rr <= tol2, Status.CONVERGED),
+                           (indefinite, Status.INDEFINITE), (~jnp.any(keep), Status.BREAKDOWN)],
+                          RUNNING)
+    go = (status == RUNNING) & (st.k < ctx.max_outer)
+    a = jnp.where(go, a, 0)  # a step that does not go leaves x and r as they are
+
+    # One pass over X gives [P; x + P a], one over [A V, A Q, r] gives [A P; r - A P a].
+    eye, zero = jnp.eye(s, dtype=B.dtype), jnp.zeros((s, 1), B.dtype)
+    to_P = jnp.concatenate([eye, -B.T, zero, zero], axis=1)  # P = V - Q B
+    step = jnp.concatenate([a, -(B @ a), jnp.ones((1,), B.dtype)])
+    new = tree.basis_combine_many(X, [*to_P, jnp.concatenate([step, jnp.zeros((1,), B.dtype)])])
+    AX = tree.basis_of(AV + list(st.AQ) + [st.r])
+    new_A = tree.basis_combine_many(AX, [*to_P[:, :-1], -step.at[-1].set(-1)])
+
+    center, half, lmax = st.center, st.half, st.lmax
+    if ctx.estimate:  # Chebyshev/Newton on [0, 1.1 lmax]: Ritz values lie below lmax
+        N = jnp.concatenate([Vr[:, None], XZ[:s, s + 1:]], axis=1)  # V^H Y
+        lmax = jnp.where(finite, jnp.maximum(lmax, _largest_ritz(G, N, eps)), lmax).astype(real)
+        center = half = jnp.where(lmax > 0, 0.55 * lmax, half).astype(real)
+    return _State(
+        x=new[s], r=new_A[s], Q=tuple(new[:s]), AQ=tuple(new_A[:s]), W=spec,
+        center=center, half=half, lmax=lmax, tol2=tol2, rr=rr, k=st.k + go.astype(st.k.dtype),
+        status=status, go=go, history=history)
+
+
+def _run(problem: Problem, *, s: int, basis: str, max_steps: int | None,
+         residual_replacement: int | None, record_history: bool) -> Outcome:
+    real = problem.real_dtype()
+    dtype = tree.result_dtype(problem.b)
+    max_steps = problem.step_limit(max_steps)
+    rtol, atol = problem.tolerances()
+    identity = problem.precond is None
+    estimate = problem.data is None
+    ctx = _Context(A=problem.A, M=(lambda v: v) if identity else problem.precond,
+                   identity=identity, ip=problem.ip, s=s, basis=basis, estimate=estimate,
+                   eps=max(float(jnp.finfo(leaf.dtype).eps)
+                           for leaf in jax.tree_util.tree_leaves(problem.b)),
+                   rtol=rtol, atol=atol, tol_from_rr=problem.x0 is None,
+                   max_outer=-(-max_steps // s), replace_every=residual_replacement,
+                   b=problem.b)
+    b = problem.b
+    if problem.x0 is None:
+        x, r, tol2 = tree.zeros_like(b), b, jnp.asarray(jnp.inf, real)
+    else:
+        with jax.named_scope("solvax.pcg.setup"):
+            bb = jnp.real(problem.ip.dot(b, b))
+            x, r = problem.start_from_x0(tree.sub(b, problem.A(problem.x0)), bb)
+            tol2 = jnp.maximum(atol * atol, rtol * rtol * bb)
+    if estimate:  # the first block is a monomial one; then from Ritz values
+        center, half = jnp.zeros((), real), jnp.ones((), real)
+    else:
+        lmin, lmax = (jnp.asarray(v, real) for v in problem.data)
+        center, half = (lmax + lmin) / 2, (lmax - lmin) / 2
+    zeros = tree.zeros_like(b)
+    one = jnp.ones((), real)
+    st = _State(x=x, r=r, Q=(zeros,) * s, AQ=(zeros,) * s,
+                W=_spectral(jnp.zeros((s, s), dtype), ctx.eps),
+                center=center, half=half, lmax=jnp.zeros((), real), tol2=tol2, rr=one,
+                k=jnp.int32(0), status=jnp.int32(RUNNING), go=jnp.bool_(True),
+                history=problem.history(ctx.max_outer * s + 1, record_history))
+    st = problem.ip.typed_like_results(st, b)
+    st = lax.while_loop(lambda st: st.go,
+                        functools.partial(_outer_step, ctx=ctx), st)
+    history = st.history
+    if history is not None:
+        history = history[: max_steps + 1]
+    return Outcome(x=st.x, status=st.status, iterations=jnp.minimum(st.k * s, max_steps),
+                   history=history)
+
+
+S_STEP = _driver.register(_driver.Method("pcg_s_step", _run))
+
+
+def solve(matvec, b, *, x0, precond, rtol, atol, max_steps, s, basis, spectrum,
+          residual_replacement, record_history, inner_product, axis_name, failed_derivative):
+    """`pcg(method="s_step")`: its options checked, then the driver."""
+    _checks.check_int("s", s, 1)
+    _checks.check_choice("basis", basis, BASES)
+    if max_steps is not None:
+        _checks.check_int("max_steps", max_steps, 0)
+    data = None
+    if spectrum is not None:
+        if not (isinstance(spectrum, tuple | list) and len(spectrum) == 2):
+            raise TypeError("`spectrum` must be a pair `(lmin, lmax)` bounding the eigenvalues "
+                            f"of `M A` (e.g. from `solvax.estimate_spectrum`); got {spectrum!r}.")
+        data = tuple(jnp.asarray(v) for v in spectrum)
+        for name, v in zip(("lmin", "lmax"), data):
+            if v.shape != () or not jnp.issubdtype(v.dtype, jnp.number) \
+                    or jnp.issubdtype(v.dtype, jnp.complexfloating):
+                raise TypeError(f"`spectrum` {name} must be a real scalar; got {v!r}.")
+        if not any(isinstance(v, jax.core.Tracer) for v in data):
+            lmin, lmax = (float(v) for v in data)
+            if not 0 <= lmin < lmax:
+                raise ValueError("`spectrum` must satisfy 0 <= lmin < lmax (the eigenvalues of "
+                                 f"M A are positive); got ({lmin}, {lmax}).")
+    return _driver.solve(S_STEP, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
+                         inner_product=inner_product, axis_name=axis_name,
+                         failed_derivative=failed_derivative, data=data, s=s, basis=basis,
+                         max_steps=max_steps, residual_replacement=residual_replacement,
+                         record_history=bool(record_history))
