@@ -55,6 +55,11 @@ PRECONDITIONED = {
     "bicgstab_one_sync_jacobi": ("bicgstab_one_sync", lambda d: dict(precond=jacobi_of(d))),
     "idrs_jacobi": ("idrs", lambda d: dict(precond=jacobi_of(d))),
     "minres_jacobi": ("minres", lambda d: dict(precond=jacobi_of(d))),
+    "s_step_jacobi": ("pcg_s_step", lambda d: dict(precond=jacobi_of(d))),
+    # the default s = 4, s = 8, and given spectral bounds (no Ritz values)
+    "s_step_4": ("pcg_s_step", lambda d: dict(s=4)),
+    "s_step_8_newton": ("pcg_s_step", lambda d: dict(s=8, basis="newton")),
+    "s_step_4_spectrum": ("pcg_s_step", lambda d: dict(s=4, spectrum=(2.0, 3.0))),
 }
 for _name, (_base, _options) in PRECONDITIONED.items():
     SOLVERS[_name] = (lambda d, b, s=REGISTRY[_base], o=_options:
