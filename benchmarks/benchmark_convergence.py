@@ -78,6 +78,8 @@ def solvers(name, small=False):
         "pcg pipelined": dict(fn=sx.pcg, method="pipelined", max_steps=5000),
         "pcg pipelined, replacement/50": dict(fn=sx.pcg, method="pipelined", max_steps=5000,
                                               residual_replacement=50),
+        **{f"pcg s_step s={s}": dict(fn=sx.pcg, method="s_step", s=s, max_steps=5000)
+           for s in ((4,) if small else (2, 4, 8))},
     }
     return {**cg, **gmres}
 
@@ -88,7 +90,7 @@ def matvecs_of(fn, options, its):
         return 2 * its + (2 if options["method"] == "one_sync" else 0) + 1
     if fn is sx.gmres and options["orthogonalization"] == "one_sync":
         return its + -(-its // RESTART) + 1  # one extra matvec per cycle
-    return its + 1  # CG, IDR(s) (iterations are matvecs), MINRES (one per Lanczos step)
+    return its + 1  # CG (s-step too), IDR(s) (iterations are matvecs), MINRES (one per step)
 
 
 def scipy_minres_steps(matvec, b, rtol):

@@ -74,6 +74,9 @@ def cg_solvers(matvec):
         "solvax pcg single_reduction": lambda b: sx.pcg(matvec, b, rtol=RTOL,
                                                          single_reduction=True).x,
         "solvax pcg pipelined": lambda b: sx.pcg(matvec, b, rtol=RTOL, method="pipelined").x,
+        **{f"solvax pcg s_step s={s}": (lambda b, s=s: sx.pcg(matvec, b, rtol=RTOL,
+                                                              method="s_step", s=s).x)
+           for s in (2, 4, 8)},
         "jax.scipy cg": lambda b: jsp.cg(matvec, b, tol=RTOL, atol=0.0)[0],
     }
     if lx is not None:
@@ -237,6 +240,9 @@ def latency(n, iterations=200):
             lambda x: d * x, b, rtol=0.0, max_steps=iterations, single_reduction=True).x,
         "solvax pcg pipelined": lambda d, b: sx.pcg(
             lambda x: d * x, b, rtol=0.0, max_steps=iterations, method="pipelined").x,
+        **{f"solvax pcg s_step s={s}": (lambda d, b, s=s: sx.pcg(
+            lambda x: d * x, b, rtol=0.0, max_steps=iterations, method="s_step", s=s).x)
+           for s in (2, 4, 8)},
         "jax.scipy cg": lambda d, b: jsp.cg(lambda x: d * x, b, tol=0.0, atol=0.0,
                                             maxiter=iterations)[0],
     }
@@ -248,9 +254,11 @@ def latency(n, iterations=200):
         "jax.scipy bicgstab": lambda d, b: jsp.bicgstab(lambda x: d * x, b, tol=0.0, atol=0.0,
                                                         maxiter=iterations)[0],
     }
-    for method in ("standard", "single_reduction", "pipelined"):
+    for method, s in (("standard", 4), ("single_reduction", 4), ("pipelined", 4),
+                      ("s_step", 2), ("s_step", 4), ("s_step", 8)):
+        options = dict(s=s) if method == "s_step" else {}
         steps = int(sx.pcg(lambda x: d * x, b, rtol=0.0, max_steps=iterations,
-                           method=method).iterations)
+                           method=method, **options).iterations)
         assert steps == iterations, (method, steps)
     for method in ("standard", "one_sync"):
         steps = int(sx.bicgstab(lambda x: d * x, b, rtol=0.0, max_steps=iterations,
@@ -259,10 +267,11 @@ def latency(n, iterations=200):
     rows = []
     for fns, base in ((cg, "jax.scipy cg"), (bicgstab, "jax.scipy bicgstab")):
         runs = interleaved(fns, d, b)
+        # collectives per CG/BiCGStab iteration: an s-step loop pass is s iterations
         rows += [dict(problem=f"latency-bound mesh, n={n}, 8 devices", solver=k,
                       ms_per_iteration=1e3 * t / iterations, ratio_to_jax_scipy=t / runs[base],
-                      all_reduces_per_iteration=sx.count_collectives(fns[k], d,
-                                                                     b).per_iteration)
+                      all_reduces_per_iteration=sx.count_collectives(fns[k], d, b).per_iteration
+                      / (int(k.split("s=")[1]) if "s_step" in k else 1))
                  for k, t in runs.items()]
     return rows
 
@@ -306,7 +315,7 @@ def main():
     for r in lat:
         print(f"{r['problem']:40s} {r['solver']:28s} {r['ms_per_iteration']:8.4f} ms/it "
               f"({r['ratio_to_jax_scipy']:.2f}x jax.scipy, "
-              f"{r['all_reduces_per_iteration']} collectives/it)")
+              f"{r['all_reduces_per_iteration']:g} collectives/it)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "problems": rows, "pytree_compile_s": compiles,

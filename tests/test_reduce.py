@@ -117,9 +117,9 @@ STRUCTURED = {"_tridiagonal.py", "_block_tridiagonal.py", "_partitioned.py"}
 
 
 def test_no_flattening_in_the_library():
-    """No vector is raveled, reshaped to 1-D, `vdot`-ed or concatenated; the one
-    `concatenate` on the Krylov side stacks partial products along the small
-    leading axis in `_reduce`."""
+    """No vector is raveled, reshaped to 1-D, `vdot`-ed or concatenated; on the
+    Krylov side `concatenate` only joins along the small leading axis: partial
+    products in `_reduce`, bases along their basis axis in `_tree`."""
     for path in SRC.glob("*.py"):
         for name, call in _calls(path):
             where = f"{path.name}:{call.lineno}"
@@ -129,7 +129,7 @@ def test_no_flattening_in_the_library():
                                for a in call.args), where
             if name == "concatenate" and path.name not in STRUCTURED:
                 axis = [ast.literal_eval(k.value) for k in call.keywords if k.arg == "axis"]
-                assert path.name == "_reduce.py" and axis == [0], where
+                assert path.name in ("_reduce.py", "_tree.py") and axis == [0], where
 
 
 def test_the_flattening_rule_sees_every_module():

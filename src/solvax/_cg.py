@@ -60,9 +60,10 @@ class _Pipelined(NamedTuple):
 
 
 class _Checks(NamedTuple):
-    """Pipelined CG's confirmation of its own stopping test (`_confirmed_step`)."""
+    """Pipelined CG's confirmation of its own stopping test (`_confirmed_rounds`)."""
 
     fresh: jax.Array  # r, u, w, s, q, z were just recomputed from x and p
+    pending: jax.Array  # the own residual met the tolerance: restart and test the true one
     last: jax.Array  # <r, r> at the previous such recomputation (inf before one)
     stalled: jax.Array  # a recomputed residual did not improve on the last: stopped
 
@@ -243,10 +244,14 @@ def _restart(st: _Pipelined, ctx: _Context, b) -> _Pipelined:
         r = tree.sub(b, ctx.A(st.x))
         u = ctx.M(r)
         zeros = tree.zeros_like(r)
-        # alpha = inf: the next step's curvature is <u, w> and p = u, as at the start
+        # alpha = inf: the next step's curvature is <u, w> and p = u, as at the
+        # start (gamma = 1: beta multiplies p = 0 and must be finite, also for b = 0)
+        pending = st.checks.pending
         return st._replace(r=r, w=ctx.A(u), p=zeros, s=zeros, z=zeros,
                            u=None if ctx.identity else u, q=None if ctx.identity else zeros,
-                           sc=st.sc._replace(alpha=jnp.asarray(jnp.inf, st.sc.alpha.dtype)))
+                           sc=st.sc._replace(alpha=jnp.full_like(st.sc.alpha, jnp.inf),
+                                             gamma=jnp.ones_like(st.sc.gamma), go=pending),
+                           checks=st.checks._replace(fresh=pending, pending=~pending))
 
 
 def _pipelined_with_replacement(st: _Pipelined, ctx: _Context, b, every: int) -> _Pipelined:
@@ -255,29 +260,43 @@ def _pipelined_with_replacement(st: _Pipelined, ctx: _Context, b, every: int) ->
                     lambda s: _replace_residuals(s, ctx, b), lambda s: s, st)
 
 
-def _confirmed_step(st: _Pipelined, ctx: _Context, b) -> _Pipelined:
-    """A pipelined step whose stopping test is confirmed on the true residual.
-
-    When the recursively updated residual meets the tolerance, the iteration
-    is restarted from `x` (`_restart`: the true residual, 2 matvecs, no
-    reduction) and the loop goes on: the next step's one reduction then tests
-    the true residual. It stops there if that meets the tolerance; otherwise
-    the iteration continues from the restart, and a later restart whose true
-    residual is not below the previous one's stops as `STAGNATION` (the
-    attainable accuracy was reached).
-    """
-    fresh, last, _ = st.checks
+def _confirmed_step(st: _Pipelined, ctx: _Context) -> _Pipelined:
+    """A pipelined step whose stopping test is confirmed on the true residual
+    (see `_confirmed_rounds`): a step whose own residual met the tolerance
+    without having been just recomputed ends the round with `pending` set;
+    one after a restart whose true residual is not below the previous
+    restart's stops the solve (`stalled`)."""
+    fresh, last = st.checks.fresh, st.checks.last
     new = _pipelined_step(st, ctx)
     sc = new.sc
     stalled = fresh & ~(sc.rr <= sc.tol2) & (sc.rr >= last)
-    recheck = ~sc.go & (sc.rr <= sc.tol2) & ~fresh & (sc.k <= ctx.max_steps)
-    # The recomputation starts from the state before the step (which did not
-    # update x, but did update p and the scalars), with the threshold it set.
-    before = st._replace(sc=st.sc._replace(tol2=sc.tol2, history=sc.history))
-    new = lax.cond(recheck, lambda: _restart(before, ctx, b), lambda: new)
-    return new._replace(sc=new.sc._replace(go=new.sc.go & ~stalled),
-                        checks=_Checks(fresh=recheck, last=jnp.where(fresh, sc.rr, last),
-                                       stalled=stalled))
+    pending = ~sc.go & (sc.rr <= sc.tol2) & ~fresh & (sc.k <= ctx.max_steps)
+    # such a step updated neither x nor r (alpha = 0) and does not count
+    sc = sc._replace(go=sc.go & ~stalled, k=sc.k - pending.astype(sc.k.dtype))
+    return new._replace(sc=sc, checks=_Checks(fresh=jnp.bool_(False) & fresh, pending=pending,
+                                              last=jnp.where(fresh, sc.rr, last),
+                                              stalled=stalled))
+
+
+def _confirmed_rounds(state: _Pipelined, ctx: _Context, b, max_steps: int) -> _Pipelined:
+    """Pipelined CG whose stopping test is confirmed on the true residual.
+
+    Rounds of pipelined steps: when the recursively updated residual meets
+    the tolerance, the round ends and the next restarts from `x` (`_restart`:
+    the true residual, 2 matvecs, no reduction); its first step's one
+    reduction then tests the true residual and stops there if that meets the
+    tolerance. Otherwise the iteration goes on from the restart, and a later
+    restart whose true residual is not below the previous one's stops as
+    `STAGNATION` (the attainable accuracy was reached). The restart sits in
+    the outer loop, not in the step, so under `vmap` (where a conditional
+    runs both branches) it is not paid every step.
+    """
+    def round_(st):
+        st = lax.cond(st.checks.pending, lambda s: _restart(s, ctx, b), lambda s: s, st)
+        return lax.while_loop(lambda st: st.sc.go & (st.sc.k <= max_steps),
+                              functools.partial(_confirmed_step, ctx=ctx), st)
+
+    return lax.while_loop(lambda st: st.sc.go | st.checks.pending, round_, state)
 
 
 def _initial_state(method: str, ctx: _Context, x, r, sc: _Scalars):
@@ -292,6 +311,7 @@ def _initial_state(method: str, ctx: _Context, x, r, sc: _Scalars):
         return _Pipelined(x=x, r=r, p=zeros, s=zeros, w=ctx.A(u), z=zeros,
                           u=None if ctx.identity else u, q=None if ctx.identity else zeros,
                           sc=sc, checks=_Checks(fresh=jnp.bool_(False),
+                                                pending=jnp.bool_(False),
                                                 last=jnp.asarray(jnp.inf, sc.rr.dtype),
                                                 stalled=jnp.bool_(False)))
 
@@ -329,16 +349,17 @@ def _run(problem: Problem, *, method: str, max_steps: int | None, residual_repla
     if method == "pipelined" and residual_replacement:
         step = functools.partial(_pipelined_with_replacement, b=problem.b,
                                  every=residual_replacement)
-    elif method == "pipelined":
-        step = functools.partial(_confirmed_step, b=problem.b)
     else:
         step = _STEPS[method]
     # Up to max_steps steps, then one that only checks the residual it reduces
     # anyway (no update): at the limit, the loop's own test still says whether
     # x converged, with no reduction after the loop.
     state = problem.ip.typed_like_results(state, problem.b)
-    state = lax.while_loop(lambda st: st.sc.go & (st.sc.k <= max_steps),
-                           functools.partial(step, ctx=ctx), state)
+    if method == "pipelined" and not residual_replacement:
+        state = _confirmed_rounds(state, ctx, problem.b, max_steps)
+    else:
+        state = lax.while_loop(lambda st: st.sc.go & (st.sc.k <= max_steps),
+                               functools.partial(step, ctx=ctx), state)
     sc = state.sc
     # Every step run updated x, except the last one, which stopped the loop.
     steps = sc.k - (~sc.go).astype(jnp.int32)

@@ -51,10 +51,8 @@ _RANK_POWER = 5 / 8
 
 
 class _State(NamedTuple):
-    x: PyTree
-    r: PyTree  # recursively updated residual b - A x
-    Q: tuple  # the previous outer step's directions P (s vectors)
-    AQ: tuple  # A Q, by recurrence
+    QX: PyTree  # basis [Q; x]: the previous outer step's directions P (s rows), then x
+    AQR: PyTree  # basis [A Q; r]: A Q by recurrence, then the recursive residual b - A x
     W: tuple  # `_spectral(Q^H A Q)`: the previous step's, reused for `B`
     center: jax.Array  # the basis polynomials' interval [center - half, center + half]
     half: jax.Array
@@ -115,10 +113,10 @@ def _recurrence(basis: str, s: int, center, half):
     return center * ones, gamma.at[0].set(0) if j else gamma, gamma
 
 
-def _block(st: _State, ctx: _Context, z):
+def _block(st: _State, ctx: _Context, r, z):
     """`V`, `A V` and `Y = M^{-1} V` (lists of s vectors) from `z = M r`."""
     alpha, beta, gamma = _recurrence(ctx.basis, ctx.s, st.center, st.half)
-    V, AV, Y = [z], [], [st.r]
+    V, AV, Y = [z], [], [r]
     for j in range(ctx.s):
         with jax.named_scope("solvax.pcg.matvec"):
             AV.append(ctx.A(V[j]))
@@ -178,15 +176,16 @@ def _outer_step(st: _State, ctx: _Context) -> _State:
     real = st.tol2.dtype
     eps = ctx.eps
     s = ctx.s
+    x, r = tree.basis_get(st.QX, s), tree.basis_get(st.AQR, s)
     if ctx.replace_every:
-        st = lax.cond((st.k > 0) & (st.k % ctx.replace_every == 0),
-                      lambda st: st._replace(r=tree.sub(ctx.b, ctx.A(st.x))), lambda st: st, st)
+        r = lax.cond((st.k > 0) & (st.k % ctx.replace_every == 0),
+                     lambda: tree.sub(ctx.b, ctx.A(x)), lambda: r)
     with jax.named_scope("solvax.pcg.precond"):
-        z = st.r if ctx.identity else ctx.M(st.r)
-    V, AV, Y = _block(st, ctx, z)
+        z = r if ctx.identity else ctx.M(r)
+    V, AV, Y = _block(st, ctx, r, z)
     # X = [V, Q, x, r] and Z = [A V, r, Y_1..]: the step's products are X^H Z
-    X = tree.basis_of(V + list(st.Q) + [st.x, st.r])
-    Z = tree.basis_of(AV + [st.r] + (Y[1:] if ctx.estimate else []))
+    X = tree.basis_join([tree.basis_of(V), st.QX, tree.basis_of([r])])
+    Z = tree.basis_of(AV + [r] + (Y[1:] if ctx.estimate else []))
     with jax.named_scope("solvax.pcg.reduce"):
         XZ = ctx.ip.gram(X, Z)
     G, C = XZ[:s, :s], XZ[s:2 * s, :s]  # V^H A V, Q^H A V
@@ -214,21 +213,23 @@ def _outer_step(st: _State, ctx: _Context) -> _State:
     go = (status == RUNNING) & (st.k < ctx.max_outer)
     a = jnp.where(go, a, 0)  # a step that does not go leaves x and r as they are
 
-    # One pass over X gives [P; x + P a], one over [A V, A Q, r] gives [A P; r - A P a].
-    eye, zero = jnp.eye(s, dtype=B.dtype), jnp.zeros((s, 1), B.dtype)
-    to_P = jnp.concatenate([eye, -B.T, zero, zero], axis=1)  # P = V - Q B
-    step = jnp.concatenate([a, -(B @ a), jnp.ones((1,), B.dtype)])
-    new = tree.basis_combine_many(X, [*to_P, jnp.concatenate([step, jnp.zeros((1,), B.dtype)])])
-    AX = tree.basis_of(AV + list(st.AQ) + [st.r])
-    new_A = tree.basis_combine_many(AX, [*to_P[:, :-1], -step.at[-1].set(-1)])
+    # One pass over X = [V, Q, x, r] gives [P; x + P a] (P = V - Q B), one
+    # over [A V, A Q, r] gives [A P; r - A P a].
+    Ba = B @ a
+    K = (jnp.zeros((s + 1, 2 * s + 2), B.dtype).at[:s, :s].set(jnp.eye(s, dtype=B.dtype))
+         .at[:s, s:2 * s].set(-B.T).at[s, :s].set(a).at[s, s:2 * s].set(-Ba).at[s, 2 * s].set(1))
+    QX = tree.basis_mix(X, K)
+    AX = tree.basis_join([tree.basis_of(AV), st.AQR])
+    KA = K[:, :2 * s + 1].at[s, :2 * s].multiply(-1)  # ... r - (A V a - A Q B a)
+    AQR = tree.basis_mix(AX, KA)
 
     center, half, lmax = st.center, st.half, st.lmax
     if ctx.estimate:  # Chebyshev/Newton on [0, 1.1 lmax]: Ritz values lie below lmax
-        N = jnp.concatenate([Vr[:, None], XZ[:s, s + 1:]], axis=1)  # V^H Y
+        N = XZ[:s, s:2 * s]  # V^H Y, with Y_0 = r
         lmax = jnp.where(finite, jnp.maximum(lmax, _largest_ritz(G, N, eps)), lmax).astype(real)
         center = half = jnp.where(lmax > 0, 0.55 * lmax, half).astype(real)
     return _State(
-        x=new[s], r=new_A[s], Q=tuple(new[:s]), AQ=tuple(new_A[:s]), W=spec,
+        QX=QX, AQR=AQR, W=spec,
         center=center, half=half, lmax=lmax, tol2=tol2, rr=rr, k=st.k + go.astype(st.k.dtype),
         status=status, go=go, history=history)
 
@@ -261,9 +262,10 @@ def _run(problem: Problem, *, s: int, basis: str, max_steps: int | None,
     else:
         lmin, lmax = (jnp.asarray(v, real) for v in problem.data)
         center, half = (lmax + lmin) / 2, (lmax - lmin) / 2
-    zeros = tree.zeros_like(b)
     one = jnp.ones((), real)
-    st = _State(x=x, r=r, Q=(zeros,) * s, AQ=(zeros,) * s,
+    zeros = tree.basis_alloc(b, s)
+    st = _State(QX=tree.basis_join([zeros, tree.basis_of([x])]),
+                AQR=tree.basis_join([zeros, tree.basis_of([r])]),
                 W=_spectral(jnp.zeros((s, s), dtype), ctx.eps),
                 center=center, half=half, lmax=jnp.zeros((), real), tol2=tol2, rr=one,
                 k=jnp.int32(0), status=jnp.int32(RUNNING), go=jnp.bool_(True),
@@ -274,8 +276,8 @@ def _run(problem: Problem, *, s: int, basis: str, max_steps: int | None,
     history = st.history
     if history is not None:
         history = history[: max_steps + 1]
-    return Outcome(x=st.x, status=st.status, iterations=jnp.minimum(st.k * s, max_steps),
-                   history=history)
+    return Outcome(x=tree.basis_get(st.QX, s), status=st.status,
+                   iterations=jnp.minimum(st.k * s, max_steps), history=history)
 
 
 S_STEP = _driver.register(_driver.Method("pcg_s_step", _run))

@@ -100,6 +100,10 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
         "PCG, single_reduction=True": (
             lambda d, b: pcg(_diag(d), b, single_reduction=True).x, (diag, vec())),
         "PCG, pipelined": (lambda d, b: pcg(_diag(d), b, method="pipelined").x, (diag, vec())),
+        "PCG, s_step s=4 (a step = 4 CG iterations)": (
+            lambda d, b: pcg(_diag(d), b, method="s_step", s=4).x, (diag, vec())),
+        "PCG, s_step s=8 (a step = 8 CG iterations)": (
+            lambda d, b: pcg(_diag(d), b, method="s_step", s=8).x, (diag, vec())),
         "FGMRES(16) via linear_solve": (
             lambda d, b: linear_solve(_diag(d), b, solver=_gmres16).x, (diag, vec())),
         "FGMRES(16), CGS2 orthogonalization": (
@@ -116,6 +120,9 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
         "shard_map: PCG, pipelined (axis_name)": (_shard_mapped(
             mesh, lambda d, b, **kw: pcg(_diag(d), b, method="pipelined", **kw).x),
             (diag, vec())),
+        "shard_map: PCG, s_step s=4 (axis_name)": (_shard_mapped(
+            mesh, lambda d, b, **kw: pcg(_diag(d), b, method="s_step", s=4, **kw).x),
+            (diag, vec())),
         "shard_map: FGMRES(16) (axis_name)": (_shard_mapped(
             mesh, lambda d, b, **kw: gmres(_diag(d), b, restart=16, **kw).x), (diag, vec())),
         "shard_map: BiCGStab (axis_name)": (_shard_mapped(
@@ -131,6 +138,8 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
             lambda d, b: pcg(_diag(d), b).x, (tree_d, tree_b)),
         "pytree PCG single_reduction, P('i') + P(None,'i')": (
             lambda d, b: pcg(_diag(d), b, single_reduction=True).x, (tree_d, tree_b)),
+        "pytree PCG s_step s=4, P('i') + P(None,'i')": (
+            lambda d, b: pcg(_diag(d), b, method="s_step", s=4).x, (tree_d, tree_b)),
         "pytree FGMRES(16), P('i') + P(None,'i') leaves": (
             lambda d, b: gmres(_diag(d), b, restart=16).x, (tree_d, tree_b)),
         "pytree IDR(4), P('i') + P(None,'i') leaves": (
@@ -150,7 +159,7 @@ def _loss(fn):
 def _innermost_step(report) -> tuple[int, int]:
     """Collectives (and bytes) of one pass of the innermost communicating loop:
     one CG iteration, one Arnoldi or Lanczos step, one IDR(s) cycle (s + 1
-    matvecs)."""
+    matvecs), one s-step CG outer step (s iterations)."""
     if not report.loops:
         return 0, 0
     deepest = max(loop.depth for loop in report.loops)
@@ -193,5 +202,6 @@ def write_json(rows: list[Row], path: str) -> None:
 
 MEANING = ("Collective instructions in the optimized HLO (async pairs once): 'primal' = the "
            "solve, 'adjoint' = jax.grad of sum(x**2); 'per step' = synchronization points in one "
-           "CG/BiCGStab iteration, Arnoldi/Lanczos step or IDR(s) cycle of s + 1 matvecs, "
+           "CG/BiCGStab iteration, Arnoldi/Lanczos step, IDR(s) cycle of s + 1 matvecs or s-step "
+           "CG outer step of s iterations (so 1/s per CG iteration), "
            "'bytes/step' = what they move.")

@@ -129,6 +129,18 @@ def basis_of(vectors: list[PyTree]) -> PyTree:
     return tree_map(lambda *leaves: jnp.stack(leaves), *vectors)
 
 
+def basis_join(parts: list[PyTree]) -> PyTree:
+    """Bases (leaves `(m_i, *leaf.shape)`) joined along the basis axis into one
+    of `sum(m_i)` rows: the vector axes are untouched."""
+    return tree_map(lambda *leaves: jnp.concatenate(leaves, axis=0), *parts)
+
+
+def basis_mix(basis: PyTree, coeffs) -> PyTree:
+    """The basis whose row i is `sum_j coeffs[i, j] * basis[j]`: one contraction
+    over the basis axis per leaf (a GEMM reading the basis once)."""
+    return tree_map(lambda leaf: jnp.tensordot(like(coeffs, leaf), leaf, axes=(1, 0)), basis)
+
+
 def basis_combine(basis: PyTree, coeffs) -> PyTree:
     """`sum_j coeffs[j] * basis[j]`: a contraction over the basis axis only."""
     return basis_combine_many(basis, [coeffs])[0]
