@@ -162,13 +162,15 @@ def main():
             b = {"u": b, "p": jnp.asarray(0.1 * rng.standard_normal((n, n)))}
         for pname, precond in preconditioners(problem, matvec, n, b).items():
             for sname, options in solvers(problem, args.small).items():
+                if args.only not in sname:
+                    continue
                 row = dict(problem=f"{problem} {n}x{n}", solver=sname, precond=pname,
                            **run_one(matvec, b, options, precond))
                 results.append(row)
                 print(f"{row['problem']:22s} {sname:30s} {pname:17s} {row['iterations']:6d} "
                       f"{row['matvecs']:7d} {row['true_relative_residual']:14.3e} "
                       f"{row['status']:>10s} {row['seconds']:9.3f}", flush=True)
-        if problem == "saddle-point":
+        if problem == "saddle-point" and args.only in "minres":
             steps = scipy_minres_steps(matvec, b, RTOL)
             results.append(dict(problem=f"{problem} {n}x{n}", solver="scipy minres",
                                 precond="none", iterations=steps, matvecs=steps,

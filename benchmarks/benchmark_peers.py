@@ -51,6 +51,7 @@ except ImportError:  # the `bench` extra is optional
 RTOL = 1e-8
 REPEATS = 5
 COMPILE_REPEATS = 5
+WARMUP_ROUNDS = 1  # unmeasured compile rounds first (none in a --small smoke run)
 
 
 def family(solver):
@@ -151,12 +152,12 @@ def compile_times(fns, *args):
     run is a cache hit), COMPILE_REPEATS rounds with the functions interleaved
     round-robin (machine drift then hits all alike), after one unmeasured round."""
     times = {name: [] for name in fns}
-    for round_ in range(COMPILE_REPEATS + 1):
+    for round_ in range(COMPILE_REPEATS + WARMUP_ROUNDS):
         for name, fn in fns.items():
             jax.clear_caches()
             start = time.perf_counter()
             jax.jit(fn).lower(*args).compile()
-            if round_:
+            if round_ >= WARMUP_ROUNDS:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -280,8 +281,9 @@ def main():
     args = parse_args(__doc__)
     n_poisson, n_cd = (32, 16) if args.small else (512, 256)
     if args.small:  # a smoke test: one measurement each
-        global REPEATS, COMPILE_REPEATS
+        global REPEATS, COMPILE_REPEATS, WARMUP_ROUNDS
         REPEATS = COMPILE_REPEATS = 1
+        WARMUP_ROUNDS = 0
     rng = np.random.default_rng(0)
     meta = {"jax": jax.__version__, "lineax": getattr(lx, "__version__", None),
             "cpu_count": os.cpu_count(), "load_average": os.getloadavg(),
@@ -307,7 +309,8 @@ def main():
               f"{r['compile_vs_jax_scipy']:10.2f} {r['run_s']:8.3f} "
               f"{r['matvecs']:7d} {r['ms_per_matvec']:9.4f} {r['true_relative_residual']:12.2e} "
               f"{r['ratio_to_fastest_peer']:13.2f}")
-    compiles = {leaves: pytree_compile(leaves, 64) for leaves in (1, 4, 16)}
+    compiles = {leaves: pytree_compile(leaves, 64) for leaves in ((1, 4) if args.small
+                                                                  else (1, 4, 16))}
     print("compile time (s) of CG with 1 / 4 / 16 pytree leaves:")
     for solver in compiles[1]:
         print(f"  {solver:14s} " + " / ".join(f"{compiles[k][solver]:.3f}" for k in compiles))

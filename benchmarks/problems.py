@@ -20,6 +20,24 @@ def convection_diffusion(strength=10.0):
     return matvec
 
 
+def high_contrast(contrast=1e6):
+    """`-div(k grad u)` (5-point, Dirichlet) with `k = 1` on the left half of
+    the grid and `1 / contrast` on the right: SPD with condition number about
+    `contrast * 4 / (pi h)^2` (1e10 on 128 x 128 for contrast 1e6)."""
+
+    def matvec(x):
+        n = x.shape[1]
+        k = jnp.where(jnp.arange(n + 1) < (n + 1) // 2, 1.0, 1.0 / contrast)  # faces along axis 1
+        kx = jnp.ones(x.shape[0] + 1)[:, None] * jnp.where(jnp.arange(n) < n // 2, 1.0,
+                                                              1.0 / contrast)[None, :]
+        xp = jnp.pad(x, 1)
+        flux_y = k[None, 1:] * (x - xp[1:-1, 2:]) + k[None, :-1] * (x - xp[1:-1, :-2])
+        flux_x = kx[1:] * (x - xp[2:, 1:-1]) + kx[:-1] * (x - xp[:-2, 1:-1])
+        return flux_x + flux_y
+
+    return matvec
+
+
 def saddle_point(x):
     """A symmetric indefinite (saddle-point) operator on the pytree `{"u", "p"}`
     of two n x n grids: `[[K, B^T], [B, 0]]`, the KKT matrix of minimizing
@@ -34,11 +52,13 @@ def saddle_point(x):
 
 
 def parse_args(doc):
-    """The options every problem benchmark takes: --json, --plot, --small."""
+    """The options every problem benchmark takes: --json, --plot, --small, --only."""
     import argparse
 
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="draw a PNG (needs matplotlib)")
     parser.add_argument("--small", action="store_true", help="tiny problems (a smoke test)")
+    parser.add_argument("--only", metavar="TEXT", default="",
+                        help="run only the solvers whose name contains TEXT")
     return parser.parse_args()

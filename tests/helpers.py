@@ -193,6 +193,10 @@ KRYLOV = {name: s.solve for name, s in SOLVERS.items()}
 # the expensive generic checks (every leaf layout, shard_map) run these.
 DISTINCT = [name for name in SOLVERS if not name.endswith("restart5")]
 SPD_SOLVERS = DISTINCT
+# One variant per method module (its loop, its carries, its own reductions):
+# the costliest generic checks (every nesting of transformations, every single
+# leaf layout) run these in full and the other variants in the combined case.
+REPRESENTATIVE = {"pcg", "pcg_pipelined", "pcg_s_step", "gmres", "bicgstab", "idrs", "minres"}
 GENERAL_SOLVERS = [name for name, s in SOLVERS.items() if s.nonsymmetric]
 
 

@@ -34,13 +34,17 @@ def test_python_m_solvax_prints_the_live_table(tmp_path):
 def test_benchmark_collectives_json(tmp_path):
     path = tmp_path / "table.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "benchmark_collectives.py"),
-                    "--devices", "2", "8", "--json", str(path)],
+                    "--devices", "2", "--json", str(path)],
                    capture_output=True, text=True, env=clean_env(), timeout=600, check=True)
+    # 2 devices (the 8-device table is the live table above; that the counts
+    # do not depend on the device count is pinned in tests/test_sharding.py)
     data = json.loads(path.read_text())
     rows = {(r["case"], r["devices"]): r for r in data["rows"]}
-    for case in ("PCG", "PCG, single_reduction=True", "FGMRES(16) via linear_solve",
-                 "batched tridiagonal, batch axis sharded"):
-        two, eight = rows[(case, 2)], rows[(case, 8)]
-        assert (two["primal"], two["adjoint"], two["per_step"]) == (
-            eight["primal"], eight["adjoint"], eight["per_step"])
-        assert eight["adjoint"] == 2 * eight["primal"] and eight["all_gathers"] == 0
+    expected = {"PCG": (3, 6, 2), "PCG, single_reduction=True": (2, 4, 1),
+                "FGMRES(16) via linear_solve": (3, 6, 1),
+                "PCG, s_step s=4 (a step = 4 CG iterations)": (2, 4, 1),
+                "batched tridiagonal, batch axis sharded": (0, 0, 0)}
+    for case, counts in expected.items():
+        two = rows[(case, 2)]
+        assert (two["primal"], two["adjoint"], two["per_step"]) == counts, case
+        assert two["all_gathers"] == 0

@@ -418,8 +418,24 @@ def pcg(
     in standard CG, so the attainable accuracy is lower (often 1e-10 rather
     than 1e-14 relative); `residual_replacement=k` recomputes `r, u, w, s, q,
     z` from `x` and `p` every k steps (4 matvecs and 2 preconditioner
-    applications each time, no reduction), restoring accuracy. The true
-    residual check (1.) reports any shortfall honestly as `STAGNATION`.
+    applications each time, no reduction), restoring accuracy. Without it,
+    pipelined CG confirms its stopping test: when its own residual meets the
+    tolerance it restarts from `x` (the true residual: 2 matvecs, no
+    reduction) and stops only when the next step's reduction finds the true
+    residual within the tolerance (a restart that no longer lowers it stops
+    as `STAGNATION`).
+
+    `method="s_step"` is s-step (communication-avoiding) CG: each outer step
+    builds `s` Krylov vectors with a polynomial basis (`basis`: Chebyshev or
+    Newton on the interval `spectrum = (lmin, lmax)` of `M A`'s eigenvalues,
+    or, by default, from the Ritz values of each block; monomial only for
+    comparison), gets all their inner products with the previous block in
+    **one** reduction and takes s CG steps at once on the small coordinates.
+    One reduction per `s` iterations and as many matvecs as CG (s per outer
+    step); the price is `4 s + 2` stored vectors, more local arithmetic and a
+    basis whose conditioning limits `s` (directions it loses are dropped; see
+    `docs/krylov.md`). `iterations` counts CG iterations (a multiple of `s`),
+    `history` has a value every `s` entries.
 
     Differs from the textbook / `jax.scipy.sparse.linalg.cg`:
       1. `converged` is decided on the true residual `||b - A x||` (one extra
@@ -444,9 +460,17 @@ def pcg(
         max_steps: iteration limit (default `10 * size(b)`).
         single_reduction: use the one-reduction-per-step recurrence (the same
             as `method="single_reduction"`).
-        method: `"standard"` (default), `"single_reduction"` or `"pipelined"`.
-        residual_replacement: pipelined only: recompute the recursively
-            updated vectors every this many steps (default never).
+        method: `"standard"` (default), `"single_reduction"`, `"pipelined"` or
+            `"s_step"`.
+        residual_replacement: pipelined: recompute the recursively updated
+            vectors every this many steps; s-step: recompute `r = b - A x`
+            every this many outer steps (default never: pipelined then
+            confirms its stopping test instead).
+        s: s-step only: CG iterations per outer step (default 4).
+        basis: s-step only: `"chebyshev"` (default), `"newton"` or `"monomial"`.
+        spectrum: s-step only: `(lmin, lmax)`, bounds of the eigenvalues of
+            `M A` (e.g. from `estimate_spectrum`; traced values are fine);
+            default: `[0, 1.1 lmax]` with `lmax` the largest Ritz value seen.
         record_history: store the recursive residual norm of every step in
             `Solution.history` (length `max_steps + 1`, NaN after the end).
         inner_product: a `solvax.InnerProduct` (or `(x, y) -> scalar`) used for
@@ -464,13 +488,19 @@ def pcg(
     Raises:
         TypeError, ValueError: at trace time, for a `b`, `x0`, `matvec(b)` or
             `precond(b)` whose structure, shapes or dtypes disagree, negative
-            tolerances, a negative `max_steps`, an unknown `method`, or
-            `residual_replacement` with a method other than `"pipelined"`.
+            tolerances, a negative `max_steps`, an unknown `method` or
+            `basis`, `s < 1`, a `spectrum` that is not `0 <= lmin < lmax`, or
+            `residual_replacement`, `s`, `basis`, `spectrum` with a method
+            that does not take them.
 
     References: A. T. Chronopoulos and C. W. Gear, "s-step iterative methods
     for symmetric linear systems", J. Comput. Appl. Math. 25 (1989);
     P. Ghysels and W. Vanroose, "Hiding global synchronization latency in the
-    preconditioned conjugate gradient algorithm", Parallel Comput. 40 (2014).
+    preconditioned conjugate gradient algorithm", Parallel Comput. 40 (2014);
+    M. Hoemmen, "Communication-avoiding Krylov subspace methods", PhD thesis,
+    UC Berkeley (2010); E. Carson and J. Demmel, "A residual replacement
+    strategy for improving the maximum attainable accuracy of s-step Krylov
+    subspace methods", SIAM J. Matrix Anal. Appl. 35 (2014).
     """
     if max_steps is not None:
         _checks.check_int("max_steps", max_steps, 0)
