@@ -1,13 +1,14 @@
 """Convergence of every Krylov variant, with and without preconditioners.
 
-    python benchmarks/benchmark_convergence.py [--json PATH] [--plot PATH] [--small]
+    python benchmarks/benchmark_convergence.py [--json PATH] [--plot PATH] [--small] [--only SOLVER]
 
 Problems: the 5-point 2-D Poisson operator on a 512 x 512 grid (CG variants
 and GMRES), upwind convection-diffusion on 256 x 256 with convection
 strength 10 (nonsymmetric: GMRES, BiCGStab, IDR(s)) and a saddle-point
 system on two 128 x 128 grids (symmetric indefinite: MINRES, GMRES, with
-`scipy.sparse.linalg.minres` for reference), right-hand side of
-ones-plus-noise, rtol 1e-8. For each
+`scipy.sparse.linalg.minres` for reference) and a high-contrast diffusion
+on 32 x 32 (condition 2e8: where each s-step basis stops converging, with and
+without Jacobi), right-hand side of ones-plus-noise, rtol 1e-8. For each
 run: iterations (accepted steps), matvecs, the true final relative residual
 `||b - A x|| / ||b||`, the status, the wall time of one warm run, and the
 residual history (plotted with `--plot`, which needs matplotlib: the `bench`
@@ -26,7 +27,13 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import scipy.sparse.linalg as spl  # noqa: E402
-from problems import convection_diffusion, parse_args, poisson, saddle_point  # noqa: E402
+from problems import (  # noqa: E402
+    convection_diffusion,
+    high_contrast,
+    parse_args,
+    poisson,
+    saddle_point,
+)
 
 import solvax as sx  # noqa: E402
 
@@ -45,6 +52,10 @@ def preconditioners(name, matvec, n, b):
     if name == "saddle-point":  # MINRES needs an SPD preconditioner: |diagonal|, 1 on p
         return {"none": None,
                 "jacobi": sx.jacobi({"u": jnp.full((n, n), 4.0), "p": jnp.ones((n, n))})}
+    if name == "high-contrast":  # the diagonal of -div(k grad): the contrast
+        diag = jax.vmap(lambda i: matvec(jax.nn.one_hot(i, n * n).reshape(n, n)).ravel()[i])(
+            jnp.arange(n * n)).reshape(n, n)
+        return {"none": None, "jacobi": sx.jacobi(diag)}
     shift = 10.0 / (n + 1) if name == "convection-diffusion" else 0.0
     out = {"none": None,
            "jacobi": sx.jacobi(jnp.full((n, n), 4.0 + shift)),
@@ -66,6 +77,13 @@ def solvers(name, small=False):
     }
     if name == "saddle-point":
         return {"minres": dict(fn=sx.minres, max_steps=20000), **gmres}
+    if name == "high-contrast":  # condition 2e8: where each s-step basis stops
+        return {"pcg standard": dict(fn=sx.pcg, method="standard", max_steps=20000),
+                "pcg pipelined": dict(fn=sx.pcg, method="pipelined", max_steps=20000),
+                **{f"pcg s_step s={s} {basis}": dict(fn=sx.pcg, method="s_step", s=s,
+                                                     basis=basis, max_steps=20000)
+                   for basis in ("chebyshev", "newton", "monomial")
+                   for s in ((4,) if small else (2, 4, 8))}}
     if name == "convection-diffusion":
         return {**gmres,
                 "bicgstab standard": dict(fn=sx.bicgstab, method="standard", max_steps=5000),
@@ -146,15 +164,16 @@ def norm(tree):
 def main():
     args = parse_args(__doc__)
 
-    sizes = {"poisson": 64, "convection-diffusion": 32, "saddle-point": 16} if args.small else {
-        "poisson": 512, "convection-diffusion": 256, "saddle-point": 128}
+    sizes = {"poisson": 64, "convection-diffusion": 32, "saddle-point": 16,
+             "high-contrast": 16} if args.small else {
+        "poisson": 512, "convection-diffusion": 256, "saddle-point": 128, "high-contrast": 32}
     rng = np.random.default_rng(0)
     results = []
     header = f"{'problem':22s} {'solver':30s} {'precond':17s} {'its':>6s} {'matvecs':>7s} " \
              f"{'true rel. res.':>14s} {'status':>10s} {'time (s)':>9s}"
     print(f"jax {jax.__version__}, rtol {RTOL}, GMRES restart {RESTART}\n{header}")
     operators = {"poisson": poisson, "convection-diffusion": convection_diffusion(10.0),
-                 "saddle-point": saddle_point}
+                 "saddle-point": saddle_point, "high-contrast": high_contrast(1e6)}
     for problem, n in sizes.items():
         matvec = operators[problem]
         b = jnp.asarray(1.0 + 0.1 * rng.standard_normal((n, n)))

@@ -1,6 +1,6 @@
 """solvax against jax.scipy.sparse.linalg and lineax, same problems, same stopping rule.
 
-    python benchmarks/benchmark_peers.py [--json PATH] [--plot PATH] [--small]
+    python benchmarks/benchmark_peers.py [--json PATH] [--plot PATH] [--small] [--only PART]
 
 Stopping rule for everyone: 2-norm residual <= 1e-8 ||b|| (lineax: two_norm,
 rtol=0, atol=1e-8 ||b||); GMRES restart 30. Problems: 5-point Poisson 512 x 512
@@ -290,18 +290,23 @@ def main():
             "repeats": REPEATS, "compile_repeats": COMPILE_REPEATS, "rtol": RTOL}
     print(meta)
     rows = []
-    rows += problem(f"Poisson {n_poisson}x{n_poisson}", poisson, cg_solvers,
-                    jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_poisson, n_poisson))),
-                    reference="jax.scipy cg")
-    rows += problem(f"convection-diffusion {n_cd}x{n_cd}", convection_diffusion(10.0),
-                    nonsymmetric_solvers,
-                    jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_cd, n_cd))),
-                    reference="jax.scipy gmres batched")
+    # --only: the parts whose name contains it (poisson, convection, saddle,
+    # pytree, latency), e.g. `--only poisson` or `--only latency`
+    part = lambda name: args.only in name  # noqa: E731
+    b_poisson = jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_poisson, n_poisson)))
+    b_cd = jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_cd, n_cd)))
     n_sp = 16 if args.small else 128
-    rows += problem(f"saddle-point {n_sp}x{n_sp} x2", saddle_point, indefinite_solvers,
-                    {"u": jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_sp, n_sp))),
-                     "p": jnp.asarray(0.1 * rng.standard_normal((n_sp, n_sp)))},
-                    reference="jax.scipy gmres batched")
+    b_sp = {"u": jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_sp, n_sp))),
+            "p": jnp.asarray(0.1 * rng.standard_normal((n_sp, n_sp)))}
+    if part("poisson"):
+        rows += problem(f"Poisson {n_poisson}x{n_poisson}", poisson, cg_solvers, b_poisson,
+                        reference="jax.scipy cg")
+    if part("convection"):
+        rows += problem(f"convection-diffusion {n_cd}x{n_cd}", convection_diffusion(10.0),
+                        nonsymmetric_solvers, b_cd, reference="jax.scipy gmres batched")
+    if part("saddle"):
+        rows += problem(f"saddle-point {n_sp}x{n_sp} x2", saddle_point, indefinite_solvers,
+                        b_sp, reference="jax.scipy gmres batched")
     print(f"{'problem':28s} {'solver':30s} {'compile s':>9s} {'/jax.scipy':>10s} {'run s':>8s} "
           f"{'matvecs':>7s} {'ms/matvec':>9s} {'true rel.res':>12s} {'/fastest peer':>13s}")
     for r in rows:
@@ -310,11 +315,14 @@ def main():
               f"{r['matvecs']:7d} {r['ms_per_matvec']:9.4f} {r['true_relative_residual']:12.2e} "
               f"{r['ratio_to_fastest_peer']:13.2f}")
     compiles = {leaves: pytree_compile(leaves, 64) for leaves in ((1, 4) if args.small
-                                                                  else (1, 4, 16))}
-    print("compile time (s) of CG with 1 / 4 / 16 pytree leaves:")
-    for solver in compiles[1]:
-        print(f"  {solver:14s} " + " / ".join(f"{compiles[k][solver]:.3f}" for k in compiles))
-    lat = latency(4096) + ([] if args.small else latency(65536))
+                                                                  else (1, 4, 16))
+                if part("pytree")}
+    if compiles:
+        print("compile time (s) of CG with 1 / 4 / 16 pytree leaves:")
+        for solver in compiles[1]:
+            print(f"  {solver:14s} " + " / ".join(f"{compiles[k][solver]:.3f}"
+                                                 for k in compiles))
+    lat = (latency(4096) + ([] if args.small else latency(65536))) if part("latency") else []
     for r in lat:
         print(f"{r['problem']:40s} {r['solver']:28s} {r['ms_per_iteration']:8.4f} ms/it "
               f"({r['ratio_to_jax_scipy']:.2f}x jax.scipy, "

@@ -396,8 +396,8 @@ def test_partitioned_block_tridiagonal_counts(ndev):
     assert sx.count_collectives(grad, *args).by_kind == {"all-gather": 2}
 
 
-@pytest.mark.parametrize("name", ["pcg", "pcg_single_reduction", "gmres", "bicgstab",
-                                  "bicgstab_one_sync", "idrs", "minres"])
+@pytest.mark.parametrize("name", ["pcg", "pcg_single_reduction", "pcg_pipelined", "pcg_s_step",
+                                  "gmres", "bicgstab", "bicgstab_one_sync", "idrs", "minres"])
 def test_vmap_batch_shares_each_reduction(name):
     """A batch of 4 right-hand sides under `vmap`: the same collectives as one
     (each reduction carries the batch's products), not 4 times as many."""
