@@ -319,14 +319,8 @@ def _initial_state(method: str, ctx: _Context, x, r, sc: _Scalars):
 def _start(problem: Problem, ctx: _Context, real, max_steps: int, record_history: bool):
     """`(x, r, scalars)` at the start: from x0 (one setup reduction for ||b||)
     or from zero (then ||b||^2 is the first step's <r, r>)."""
-    b = problem.b
-    if problem.x0 is None:
-        x, r, tol2 = tree.zeros_like(b), b, jnp.asarray(jnp.inf, real)
-    else:
-        with jax.named_scope("solvax.pcg.setup"):
-            bb = jnp.real(problem.ip.dot(b, b))
-            x, r = problem.start_from_x0(tree.sub(b, problem.A(problem.x0)), bb)
-            tol2 = _squared_threshold(bb, ctx.rtol, ctx.atol)
+    with jax.named_scope("solvax.pcg.setup"):
+        x, r, tol2 = problem.start(ctx.rtol, ctx.atol)
     one = jnp.ones((), real)
     history = problem.history(max_steps + 1, record_history)
     sc = _Scalars(gamma=one, alpha=one, tol2=tol2, k=jnp.int32(0), go=jnp.bool_(True),

@@ -128,6 +128,18 @@ class Problem(NamedTuple):
         return (tree.where(zero_b, tree.zeros_like(self.b), self.x0),
                 tree.where(zero_b, self.b, r))
 
+    def start(self, rtol, atol):
+        """`(x, r, tol2)` before an iteration: from zero, with `tol2 = inf`
+        (the first step's `<r, r>` is `||b||^2` and sets it, no reduction of
+        its own), or from `x0`, with one setup reduction for `||b||^2`;
+        `tol2 = max(atol, rtol ||b||)^2`."""
+        b = self.b
+        if self.x0 is None:
+            return tree.zeros_like(b), b, jnp.asarray(jnp.inf, self.real_dtype())
+        bb = jnp.real(self.ip.dot(b, b))
+        x, r = self.start_from_x0(tree.sub(b, self.A(self.x0)), bb)
+        return x, r, jnp.maximum(atol * atol, rtol * rtol * bb)
+
     def tolerances(self) -> tuple[jax.Array, jax.Array]:
         """`(rtol, atol)` in `real_dtype()`."""
         def value(v):

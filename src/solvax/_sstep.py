@@ -294,13 +294,8 @@ def _run(problem: Problem, *, s: int, basis: str, max_steps: int | None,
                    max_outer=-(-max_steps // s), replace_every=residual_replacement,
                    b=problem.b)
     b = problem.b
-    if problem.x0 is None:
-        x, r, tol2 = tree.zeros_like(b), b, jnp.asarray(jnp.inf, real)
-    else:
-        with jax.named_scope("solvax.pcg.setup"):
-            bb = jnp.real(problem.ip.dot(b, b))
-            x, r = problem.start_from_x0(tree.sub(b, problem.A(problem.x0)), bb)
-            tol2 = jnp.maximum(atol * atol, rtol * rtol * bb)
+    with jax.named_scope("solvax.pcg.setup"):
+        x, r, tol2 = problem.start(rtol, atol)
     if estimate:  # the first block is a monomial one; then from Ritz values
         center, half = jnp.zeros((), real), jnp.ones((), real)
     else:
