@@ -88,11 +88,6 @@ def _masked_div(pred, num, den):
     return jnp.where(pred, num, 0) / jnp.where(pred, den, 1)
 
 
-def _squared_threshold(bb, rtol, atol):
-    """`max(atol, rtol ||b||)^2` from `bb = ||b||^2` (no square root)."""
-    return jnp.maximum(atol * atol, rtol * rtol * bb)
-
-
 def _may_go(rr, gamma, tol2):
     """`tol2 < rr < inf` and `0 < gamma < inf`: comparisons only (false for NaN)."""
     return (tol2 < rr) & (rr < jnp.inf) & (0 < gamma) & (gamma < jnp.inf)
@@ -103,7 +98,7 @@ def _top_of_step(sc: _Scalars, ctx: _Context, rr, gamma):
     the top of a step, and whether the step may go on (`_may_go`)."""
     tol2 = sc.tol2
     if ctx.tol_from_rr:
-        tol2 = jnp.where(sc.k == 0, _squared_threshold(rr, ctx.rtol, ctx.atol), tol2)
+        tol2 = jnp.where(sc.k == 0, _driver.squared_threshold(rr, ctx.rtol, ctx.atol), tol2)
     history = sc.history
     if history is not None:
         history = history.at[sc.k].set(_reduce.real_sqrt(rr))
@@ -273,7 +268,7 @@ def _confirmed_step(st: _Pipelined, ctx: _Context) -> _Pipelined:
     pending = ~sc.go & (sc.rr <= sc.tol2) & ~fresh & (sc.k <= ctx.max_steps)
     # such a step updated neither x nor r (alpha = 0) and does not count
     sc = sc._replace(go=sc.go & ~stalled, k=sc.k - pending.astype(sc.k.dtype))
-    return new._replace(sc=sc, checks=_Checks(fresh=jnp.bool_(False) & fresh, pending=pending,
+    return new._replace(sc=sc, checks=_Checks(fresh=jnp.zeros_like(fresh), pending=pending,
                                               last=jnp.where(fresh, sc.rr, last),
                                               stalled=stalled))
 

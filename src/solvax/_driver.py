@@ -138,7 +138,7 @@ class Problem(NamedTuple):
             return tree.zeros_like(b), b, jnp.asarray(jnp.inf, self.real_dtype())
         bb = jnp.real(self.ip.dot(b, b))
         x, r = self.start_from_x0(tree.sub(b, self.A(self.x0)), bb)
-        return x, r, jnp.maximum(atol * atol, rtol * rtol * bb)
+        return x, r, squared_threshold(bb, rtol, atol)
 
     def tolerances(self) -> tuple[jax.Array, jax.Array]:
         """`(rtol, atol)` in `real_dtype()`."""
@@ -146,6 +146,11 @@ class Problem(NamedTuple):
             return jnp.asarray(v.value if isinstance(v, Static) else v, self.real_dtype())
 
         return value(self.rtol), value(self.atol)
+
+
+def squared_threshold(bb, rtol, atol):
+    """`max(atol, rtol ||b||)^2` from `bb = ||b||^2` (no square root)."""
+    return jnp.maximum(atol * atol, rtol * rtol * bb)
 
 
 class Outcome(NamedTuple):

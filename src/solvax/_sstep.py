@@ -7,9 +7,10 @@ once, in the block form of Chronopoulos & Gear (1989):
    `K_s(M A, z)` by a three-term polynomial recurrence (`_recurrence`:
    Chebyshev, Newton or monomial), with `A V` from s matvecs; `Y = M^{-1} V`
    rides along by the same recurrence on `A V` (no `M^{-1}` is applied).
-2. One reduction. `[V, Q]^H A V`, `V^H Y` (or `V^H r`), `Q^H r` and `<r, r>`
-   in **one** `project_many` call, where `Q` is the previous outer step's block
-   of directions (kept with `A Q`).
+2. One reduction. `[V, Q, x, r]^H [A V, r, Y_1, ..]` in **one** `gram`
+   call: `V^H A V`, `Q^H A V`, `V^H r`, `Q^H r`, `<r, r>` and (when the
+   spectrum is estimated) `V^H Y`, where `Q` is the previous outer step's
+   block of directions (kept with `A Q`).
 3. Locally, on s x s matrices: `B = W^+ Q^H A V` (W = Q^H A Q, carried),
    `P = V - Q B` (A-orthogonal to every earlier block, as CG's directions
    are), `W' = P^H A P = V^H A V - (Q^H A V)^H B` and the step
@@ -19,11 +20,13 @@ once, in the block form of Chronopoulos & Gear (1989):
    applications, as many as s CG steps.
 
 Finite precision. The s x s solves are spectral, on the diagonally scaled
-matrix: directions whose scaled eigenvalue is below `_RANK_TOL` of the largest
-are left out (the basis lost rank there; the step is still a Galerkin step
-on what is left), a clearly negative one is `INDEFINITE`, and a block with no
-direction left stops as `BREAKDOWN`. `A P` is updated by recurrence, so `r`
-drifts from `b - A x` as in any CG; `residual_replacement` recomputes it.
+matrix: directions whose scaled eigenvalue is below `eps**_RANK_POWER` of the
+largest are left out (the basis lost rank there; the step is still a Galerkin
+step on what is left), a clearly negative one is `INDEFINITE`, and a block
+with no direction left stops as `BREAKDOWN`. `A P` is updated by recurrence,
+so `r` drifts from `b - A x` as in any CG: the stopping test is confirmed on
+the true residual (`_rounds`), and `residual_replacement` also recomputes it
+every so many outer steps.
 """
 
 from __future__ import annotations
@@ -204,7 +207,7 @@ def _outer_step(st: _State, ctx: _Context) -> _State:
 
     tol2 = st.tol2
     if ctx.tol_from_rr:
-        tol2 = jnp.where(st.k == 0, jnp.maximum(ctx.atol ** 2, ctx.rtol ** 2 * rr), tol2)
+        tol2 = jnp.where(st.k == 0, _driver.squared_threshold(rr, ctx.rtol, ctx.atol), tol2)
     history = st.history
     if history is not None:
         history = history.at[st.k * s].set(_reduce.real_sqrt(rr))
@@ -252,7 +255,7 @@ def _outer_step(st: _State, ctx: _Context) -> _State:
     return _State(
         QX=QX, AQR=AQR, W=spec,
         center=center, half=half, lmax=lmax, tol2=tol2, rr=rr, k=st.k + go.astype(st.k.dtype),
-        status=status, go=go, pending=pending, fresh=st.fresh & False,
+        status=status, go=go, pending=pending, fresh=jnp.zeros_like(st.fresh),
         last=jnp.where(st.fresh, rr, st.last), history=history)
 
 
