@@ -11,7 +11,11 @@ of a reused matrix), a dense `jnp.linalg.solve` of the same systems where
 the dense matrices fit (n m <= 1024 unknowns, so n is cut to 1024 / m for
 that comparison, marked), and `tridiagonal_solve` for m = 1. Also the
 sharded batch: the 64 systems split over 8 emulated devices against one
-device. `--small` uses n = 64 and a batch of 8.
+device; and the partitioned solve: one system of 8 n block rows (m = 4)
+with its solve axis split over 8 emulated devices
+(`partitioned_block_tridiagonal_solve`) against `block_tridiagonal_solve` on
+one device, with its error and collectives. `--small` uses n = 64 and a
+batch of 8; `--only blocks|sharded|partitioned` runs one part.
 """
 
 import json
@@ -71,9 +75,8 @@ def dense_matrices(lower, diag, upper):
     return jax.vmap(one)(lower, diag, upper)
 
 
-def main():
-    args = parse_args(__doc__)
-    batch, n = (8, 64) if args.small else (64, 4096)
+def block_sizes(batch, n):
+    """The table over block sizes: solve, factor, solve with factors, dense, scalar."""
     solve = jax.vmap(sx.block_tridiagonal_solve)
     factor = jax.vmap(sx.block_tridiagonal_factor)
     solve_factored = jax.vmap(sx.block_tridiagonal_solve_factored)
@@ -109,7 +112,12 @@ def main():
         print(f"{m:3d} {row['solve_s']:9.4f} {row['factor_s']:9.4f} "
               f"{row['solve_factored_s']:16.4f} {nd:8d} {row['dense_s']:9.4f} "
               f"{row['block_same_n_s']:16.4f} {tri}", flush=True)
-    # the batch sharded over 8 devices against one device
+    return rows
+
+
+def sharded_batch(batch, n):
+    """The batch of systems (m = 4) split over 8 devices against one device."""
+    solve = jax.vmap(sx.block_tridiagonal_solve)
     mesh = Mesh(np.array(jax.devices()[:8]), ("i",))
     lower, diag, upper, rhs = systems(batch, n, 4)
     sharded = [jax.device_put(a, NamedSharding(mesh, P("i"))) for a in (lower, diag, upper, rhs)]
@@ -118,9 +126,40 @@ def main():
     collectives = sx.count_collectives(solve, *sharded).total
     print(f"m = 4, batch {batch} sharded over 8 devices: {eight:.4f} s (one device {one:.4f} s), "
           f"{collectives} collectives")
-    out = {"jax": jax.__version__, "cpu_count": os.cpu_count(), "rows": rows,
-           "sharded_batch": dict(m=4, devices=8, seconds=eight, one_device_seconds=one,
-                                 collectives=collectives)}
+    return dict(m=4, devices=8, seconds=eight, one_device_seconds=one, collectives=collectives)
+
+
+def partitioned(n):
+    """One system of 8 n block rows (m = 4), its solve axis split over 8 devices."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("i",))
+    lower, diag, upper, rhs = (a[0] for a in systems(1, 8 * n, 4))
+    sharded = [jax.device_put(a, NamedSharding(mesh, P("i"))) for a in (lower, diag, upper, rhs)]
+
+    def split(*a):
+        return sx.partitioned_block_tridiagonal_solve(*a, axis_name="i", mesh=mesh)
+
+    one = timed(sx.block_tridiagonal_solve, lower, diag, upper, rhs)
+    eight = timed(split, *sharded)
+    reference = sx.block_tridiagonal_solve(lower, diag, upper, rhs)
+    error = float(jnp.linalg.norm(jax.jit(split)(*sharded) - reference)
+                  / jnp.linalg.norm(reference))
+    kinds = sx.count_collectives(split, *sharded).by_kind
+    print(f"m = 4, {8 * n} block rows, solve axis over 8 devices: {eight:.4f} s (one device "
+          f"{one:.4f} s), relative difference {error:.1e}, collectives {kinds}")
+    return dict(m=4, n=8 * n, devices=8, seconds=eight, one_device_seconds=one,
+                relative_difference=error, collectives=kinds)
+
+
+def main():
+    args = parse_args(__doc__)
+    batch, n = (8, 64) if args.small else (64, 4096)
+    out = {"jax": jax.__version__, "cpu_count": os.cpu_count()}
+    if args.only in ("", "blocks"):
+        out["rows"] = block_sizes(batch, n)
+    if args.only in ("", "sharded"):
+        out["sharded_batch"] = sharded_batch(batch, n)
+    if args.only in ("", "partitioned"):
+        out["partitioned"] = partitioned(n)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

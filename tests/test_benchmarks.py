@@ -66,3 +66,5 @@ def test_benchmark_structured_small(tmp_path):
     assert [r["m"] for r in data["rows"]] == [1, 2, 4, 8, 16]
     assert all(r["error_vs_dense"] < 1e-12 for r in data["rows"])
     assert data["sharded_batch"]["collectives"] == 0
+    assert data["partitioned"]["collectives"] == {"all-gather": 1}
+    assert data["partitioned"]["relative_difference"] < 1e-12
