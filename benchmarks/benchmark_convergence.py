@@ -11,7 +11,8 @@ on 32 x 32 (condition 2e8: where each s-step basis stops converging, with and
 without Jacobi), right-hand side of ones-plus-noise, rtol 1e-8. For each
 run: iterations (accepted steps), matvecs, the true final relative residual
 `||b - A x|| / ||b||`, the status, the wall time of one warm run, and the
-residual history (plotted with `--plot`, which needs matplotlib: the `bench`
+residual history (`--plot` draws which preconditioner helps which method,
+`plot_results.py` every figure from the JSON; matplotlib: the `bench`
 extra). `--small` uses 64 x 64, 32 x 32 and 16 x 16 grids (a smoke test). For
 scipy's MINRES the iterations are those after which its iterate first meets
 the same true relative residual (its own test is a backward error).
@@ -206,46 +207,11 @@ def main():
 
 
 def plot(results, path):
-    """Residual histories as small multiples (problem x preconditioner)."""
-    import matplotlib
+    """The preconditioner figure of `plot_results.py` for these runs (the
+    other figures: `python benchmarks/plot_results.py` on the saved JSON)."""
+    import plot_results
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # small multiples: one row per problem, one column per preconditioner,
-    # one color per method (the same in every panel), the legend outside
-    problems = list(dict.fromkeys(r["problem"] for r in results))
-    preconds = list(dict.fromkeys(r["precond"] for r in results))
-    methods = list(dict.fromkeys(r["solver"] for r in results if r["history"]))
-    palette = plt.cm.tab10 if len(methods) <= 10 else plt.cm.tab20
-    colors = {m: palette(i % palette.N) for i, m in enumerate(methods)}
-    styles = {m: "--" if "one_sync" in m or "s=8" in m else "-" for m in methods}
-    fig, axes = plt.subplots(len(problems), len(preconds), squeeze=False,
-                             figsize=(3.2 * len(preconds) + 2.6, 2.6 * len(problems)),
-                             sharey=True)
-    for i, problem in enumerate(problems):
-        for j, precond in enumerate(preconds):
-            ax = axes[i][j]
-            runs = [r for r in results if r["problem"] == problem
-                    and r["precond"] == precond and r["history"]]
-            for r in runs:
-                ax.semilogy(r["history"], color=colors[r["solver"]],
-                            ls=styles[r["solver"]], lw=1, label=r["solver"])
-            ax.axhline(RTOL, color="k", ls=":", lw=0.8)
-            if not runs:
-                ax.set_axis_off()
-            ax.set_title(f"{problem}, {precond}", fontsize=8)
-            if i == len(problems) - 1:
-                ax.set_xlabel("iteration (accepted step)", fontsize=8)
-            if j == 0:
-                ax.set_ylabel("relative residual", fontsize=8)
-            ax.tick_params(labelsize=7)
-    handles = [plt.Line2D([], [], color=colors[m], ls=styles[m]) for m in methods]
-    fig.legend(handles, methods, loc="center right", fontsize=7, frameon=False)
-    fig.suptitle(f"Residual histories to rtol {RTOL:g} (jax {jax.__version__}, CPU); "
-                 "dotted: the tolerance", fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1 - 2.4 / fig.get_figwidth(), 0.97))
-    fig.savefig(path, dpi=110)
+    plot_results.preconditioners(results, {"jax": jax.__version__}, path)
     print(f"wrote {path}")
 
 

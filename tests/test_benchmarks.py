@@ -17,7 +17,9 @@ def run(script, *args):
 
 def test_benchmark_convergence_small(tmp_path):
     path = tmp_path / "conv.json"
-    out = run("benchmark_convergence.py", "--small", "--json", str(path))
+    out = run("benchmark_convergence.py", "--small", "--json", str(path),
+              "--plot", str(tmp_path / "conv.png"))
+    assert (tmp_path / "conv.png").stat().st_size > 10_000
     results = json.loads(path.read_text())["results"]
     assert {r["solver"] for r in results} >= {"pcg standard", "pcg pipelined", "gmres cgs2",
                                               "gmres one_sync", "bicgstab one_sync", "idrs s=4",
@@ -68,3 +70,23 @@ def test_benchmark_structured_small(tmp_path):
     assert data["sharded_batch"]["collectives"] == 0
     assert data["partitioned"]["collectives"] == {"all-gather": 1}
     assert data["partitioned"]["relative_difference"] < 1e-12
+
+
+def test_plot_results_draws_every_figure_from_the_saved_results(tmp_path):
+    out = run("plot_results.py", "--out", str(tmp_path))
+    names = ["convergence_preconditioners.png", "convergence_variants.png",
+             "convergence_sstep.png", "latency.png"]
+    assert all((tmp_path / name).stat().st_size > 10_000 for name in names), out
+
+
+def test_fit_latency_small(tmp_path):
+    """The scaling model's fit runs and reads the synchronizations per
+    iteration from the compiled programs (the model itself is not asserted)."""
+    path = tmp_path / "scaling.json"
+    run("fit_latency.py", "--small", "--json", str(path), "--plot", str(tmp_path / "s.png"))
+    data = json.loads(path.read_text())
+    syncs = {row["method"]: row["syncs"] for row in data["methods"]}
+    assert syncs["pcg standard"] == 2 and syncs["pcg single_reduction"] == 1
+    assert syncs["pcg s_step s=4"] == 0.25 and syncs["bicgstab one_sync"] == 1
+    assert data["alpha_s"] >= 0 and data["beta_s_per_byte"] >= 0
+    assert all(row["projection_s"]["10000"] >= row["projection_s"]["1"] for row in data["methods"])
