@@ -1,6 +1,9 @@
 """Fit a latency-bandwidth model of a Krylov iteration on this mesh and project it.
 
-    python benchmarks/fit_latency.py [--json PATH] [--plot PATH] [--small]
+    python benchmarks/fit_latency.py [--json PATH] [--plot PATH] [--small] [--n-local N]
+
+(the committed results: `--json benchmarks/results/scaling.json --plot
+docs/figures/scaling.png`)
 
 The model, per iteration of a method on P devices:
 

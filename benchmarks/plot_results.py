@@ -3,8 +3,8 @@
     python benchmarks/plot_results.py [--results DIR] [--out DIR]
 
 Reads `convergence.json`, `convergence_cg.json` and `peers_latency.json`
-from `--results` (default: benchmarks/results) and writes there (or to
-`--out`):
+from `--results` (default: benchmarks/results) and writes the figures the
+documentation site shows to `--out` (default: docs/figures):
 
 - `convergence_preconditioners.png`: which preconditioner helps which method?
   One panel per problem and method, one line style per preconditioner.
@@ -199,7 +199,7 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results_dir = pathlib.Path(args.results)
-    out = pathlib.Path(args.out or results_dir)
+    out = pathlib.Path(args.out or HERE.parent / "docs" / "figures")
     out.mkdir(parents=True, exist_ok=True)
     runs, meta = merged_runs(results_dir)
     for path in (preconditioners(runs, meta, out / "convergence_preconditioners.png"),

@@ -18,6 +18,8 @@ def test_poisson_sharded_prints_its_collectives():
     out = run("poisson_sharded.py", "--n", "64")
     assert "8 devices" in out and "CONVERGED" in out
     assert "all-reduce" in out  # the collective report
+    error = float(out.split("exact solution: ")[1].split()[0])
+    assert error < 1e-8, out  # the stencil is exact on the manufactured solution
 
 
 def test_inverse_problem_fits_and_saves_a_picture(tmp_path):

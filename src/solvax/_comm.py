@@ -222,8 +222,7 @@ def count_collectives(fn: Callable, *args: Any, **kwargs: Any) -> CollectiveRepo
         A `CollectiveReport`: `total`, `setup`, `per_iteration`, a breakdown
         by kind with bytes, and the loops; `str(report)` is a small table.
 
-    Raises:
-        Whatever `jax.jit(fn).lower(...)` raises for invalid arguments.
+    Invalid arguments raise whatever `jax.jit(fn).lower(...)` raises.
 
     Example::
 
