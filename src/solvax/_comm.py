@@ -224,9 +224,11 @@ def count_collectives(fn: Callable, *args: Any, **kwargs: Any) -> CollectiveRepo
 
     Invalid arguments raise whatever `jax.jit(fn).lower(...)` raises.
 
-    Example::
+    For example:
 
-        report = sx.count_collectives(lambda b: sx.pcg(matvec, b).x, b)
-        assert report.per_iteration == 2 and report.count("all-gather") == 0
+    ```python
+    report = sx.count_collectives(lambda b: sx.pcg(matvec, b).x, b)
+    assert report.per_iteration == 2 and report.count("all-gather") == 0
+    ```
     """
     return analyze_hlo(compiled_text(fn, *args, **kwargs))

@@ -72,12 +72,13 @@ def shard_batch(
     reassembled along `output_batch_axis`. Nothing is communicated: the
     compiled function holds no collective (check with `count_collectives`).
 
-    Example (the batched tridiagonal case, batch on the trailing axis)::
+    For example, the batched tridiagonal solve with the batch on the trailing axis:
 
-        solve = sx.shard_batch(sx.tridiagonal_solve, mesh=mesh, input_rank=2,
-                               output_rank=2, input_batch_axis=1,
-                               output_batch_axis=1)
-        x = jax.jit(solve)(lower, diag, upper, rhs)   # each (n, batch)
+    ```python
+    solve = sx.shard_batch(sx.tridiagonal_solve, mesh=mesh, input_rank=2,
+                           output_rank=2, input_batch_axis=1, output_batch_axis=1)
+    x = jax.jit(solve)(lower, diag, upper, rhs)   # each (n, batch)
+    ```
 
     Args:
         local_function: `f(*local_inputs) -> local_output(s)`; must treat
