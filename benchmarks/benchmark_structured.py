@@ -20,8 +20,6 @@ batch of 8; `--only blocks|sharded|partitioned` runs one part.
 
 import json
 import os
-import statistics
-import time
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -35,24 +33,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from problems import median_time as timed  # noqa: E402
 from problems import parse_args  # noqa: E402
 
 import solvax as sx  # noqa: E402
 
-REPEATS = 5
 DENSE_LIMIT = 1024  # unknowns per system for the dense comparison
-
-
-def timed(fn, *args):
-    """Median wall time of REPEATS warm runs of the compiled `fn`."""
-    compiled = jax.jit(fn)
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def systems(batch, n, m, seed=0):

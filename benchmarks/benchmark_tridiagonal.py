@@ -13,8 +13,6 @@ this host, not a real multi-device speed-up.
 import argparse
 import json
 import os
-import statistics
-import time
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -28,18 +26,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from problems import median_time as timed  # noqa: E402
 
 import solvax as sx  # noqa: E402
-
-
-def timed(fn, *args, repeats=5):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main():

@@ -43,8 +43,6 @@ import argparse
 import json
 import math
 import os
-import statistics
-import time
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -58,23 +56,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from problems import median_time  # noqa: E402
 
 import solvax as sx  # noqa: E402
 
-REPEATS = 5
 PROJECT_TO = (1, 8, 64, 512, 4096, 10_000)
-
-
-def median_time(fn, *args):
-    """Median wall time of REPEATS warm runs of the compiled `fn`."""
-    compiled = jax.jit(fn)
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def mesh_of(p):

@@ -51,10 +51,17 @@ def by_matvec(run):
     return np.linspace(0, run["matvecs"], len(history)), history
 
 
-def caption(fig, text, meta):
-    text = (f"{text} jax {meta['jax']}, float64, CPU. "
-            "Dotted grey line: the tolerance (rtol 1e-8).")
-    fig.text(0.01, 0.005, textwrap.fill(text, 190), fontsize=7, va="bottom")
+def save(fig, path, caption, bottom, top=1.0):
+    """The caption (problem and machine) under the panels, then the file."""
+    fig.text(0.01, 0.005, textwrap.fill(caption, 190), fontsize=7, va="bottom")
+    fig.tight_layout(rect=(0, bottom, 1, top))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def about(meta):
+    return f" jax {meta['jax']}, float64, CPU. Dotted grey line: the tolerance (rtol 1e-8)."
 
 
 def panel(ax, title, tolerance=1e-8):
@@ -95,13 +102,11 @@ def preconditioners(runs, meta, path):
     handles = [plt.Line2D([], [], color="k", ls=s) for s in PRECOND_STYLES.values()]
     fig.legend(handles, [f"preconditioner: {p}" for p in PRECOND_STYLES], loc="upper center",
                ncol=4, fontsize=8, frameon=False)
-    caption(fig, "Which preconditioner helps which method? One panel per problem and method "
-            "(color), one line style per preconditioner; GMRES restarted every 30 steps. On the "
-            "constant-diagonal Poisson and convection-diffusion operators Jacobi is a scaling "
-            "and its line lies on the unpreconditioned one.", meta)
-    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
-    fig.savefig(path, dpi=110)
-    return path
+    return save(fig, path, "Which preconditioner helps which method? One panel per problem and "
+                "method (color), one line style per preconditioner; GMRES restarted every 30 "
+                "steps. On the constant-diagonal Poisson and convection-diffusion operators "
+                "Jacobi is a scaling and its line lies on the unpreconditioned one."
+                + about(meta), 0.04, top=0.95)
 
 
 def variants(runs, meta, path):
@@ -125,12 +130,9 @@ def variants(runs, meta, path):
         title = chosen[0]["problem"] if chosen else problem
         panel(ax, f"{title}: {family.replace(' ', ' vs ')}, no preconditioner")
         ax.legend(fontsize=6, loc="lower left", frameon=False)
-    caption(fig, "Do the communication-saving variants converge like the standard method? "
-            "One panel per problem and family, one color per variant (the first, wide and pale, "
-            "is the reference).", meta)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=110)
-    return path
+    return save(fig, path, "Do the communication-saving variants converge like the standard "
+                "method? One panel per problem and family, one color per variant (the first, "
+                "wide and pale, is the reference)." + about(meta), 0.05)
 
 
 def sstep(runs, meta, path):
@@ -153,11 +155,8 @@ def sstep(runs, meta, path):
                 ax.plot(*by_matvec(run), color="k", lw=2.5, alpha=0.3, label="pcg standard")
         panel(ax, f"{hard[0]['problem']}, preconditioner {precond}")
         ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
-    caption(fig, "Where does each s-step basis stop converging? High-contrast diffusion "
-            "(condition 2e8); color: basis, line style: s.", meta)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(path, dpi=110)
-    return path
+    return save(fig, path, "Where does each s-step basis stop converging? High-contrast "
+                "diffusion (condition 2e8); color: basis, line style: s." + about(meta), 0.04)
 
 
 def latency(results_dir, path):
@@ -183,14 +182,10 @@ def latency(results_dir, path):
         ax.set_title(f"{size}; (k): all-reduces per iteration", fontsize=8)
         ax.tick_params(labelsize=7)
     meta = data["meta"]
-    fig.text(0.01, 0.005, textwrap.fill(
-             "What does one synchronization buy on a latency-bound mesh? 8 emulated CPU "
-             "devices, diagonal operator, 200 iterations, median of interleaved runs; hatched: "
-             f"jax.scipy; blue: CG, red: BiCGStab. jax {meta['jax']}, {meta['cpu_count']} CPUs.",
-             190), fontsize=7, va="bottom")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(path, dpi=110)
-    return path
+    return save(fig, path, "What does one synchronization buy on a latency-bound mesh? 8 "
+                "emulated CPU devices, diagonal operator, 200 iterations, median of interleaved "
+                "runs; hatched: jax.scipy; blue: CG, red: BiCGStab. "
+                f"jax {meta['jax']}, {meta['cpu_count']} CPUs.", 0.04)
 
 
 def main():

@@ -62,3 +62,21 @@ def parse_args(doc):
     parser.add_argument("--only", metavar="TEXT", default="",
                         help="run only the solvers whose name contains TEXT")
     return parser.parse_args()
+
+
+def median_time(fn, *args, repeats=5):
+    """Median wall time (s) of `repeats` warm runs of `jax.jit(fn)(*args)`
+    (the first call, which compiles, is not timed)."""
+    import statistics
+    import time
+
+    import jax
+
+    compiled = jax.jit(fn)
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
