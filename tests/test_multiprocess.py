@@ -159,7 +159,11 @@ def test_an_interrupted_launcher_ends_its_workers(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
     driver = tmp_path / "driver.py"
-    driver.write_text("import sys\nfrom solvax import distributed\n"
+    # Ctrl-C's default handler, as in a terminal: a process started in the
+    # background by a non-interactive shell (`cmd &`, as a CI job may be)
+    # inherits SIGINT ignored, and then launch() would run to its deadline
+    driver.write_text("import signal\nfrom solvax import distributed\n"
+                      "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
                       f"distributed.launch({str(script)!r}, [{str(tmp_path)!r}], "
                       "num_processes=3, timeout=100)\n")
     launcher = subprocess.Popen([sys.executable, str(driver)], stderr=subprocess.PIPE)
