@@ -56,16 +56,7 @@ class _Pipelined(NamedTuple):
     u: PyTree | None  # M r (None without a preconditioner: u = r)
     q: PyTree | None  # M s (None without a preconditioner: q = s)
     sc: _Scalars
-    checks: _Checks | None = None  # confirming convergence on the true residual
-
-
-class _Checks(NamedTuple):
-    """Pipelined CG's confirmation of its own stopping test (`_confirmed_rounds`)."""
-
-    fresh: jax.Array  # r, u, w, s, q, z were just recomputed from x and p
-    pending: jax.Array  # the own residual met the tolerance: restart and test the true one
-    last: jax.Array  # <r, r> at the previous such recomputation (inf before one)
-    stalled: jax.Array  # a recomputed residual did not improve on the last: stopped
+    checks: _driver.Confirmation | None = None  # confirming convergence on the true residual
 
 
 class _Context(NamedTuple):
@@ -241,12 +232,12 @@ def _restart(st: _Pipelined, ctx: _Context, b) -> _Pipelined:
         zeros = tree.zeros_like(r)
         # alpha = inf: the next step's curvature is <u, w> and p = u, as at the
         # start (gamma = 1: beta multiplies p = 0 and must be finite, also for b = 0)
-        pending = st.checks.pending
         return st._replace(r=r, w=ctx.A(u), p=zeros, s=zeros, z=zeros,
                            u=None if ctx.identity else u, q=None if ctx.identity else zeros,
                            sc=st.sc._replace(alpha=jnp.full_like(st.sc.alpha, jnp.inf),
-                                             gamma=jnp.ones_like(st.sc.gamma), go=pending),
-                           checks=st.checks._replace(fresh=pending, pending=~pending))
+                                             gamma=jnp.ones_like(st.sc.gamma),
+                                             go=st.checks.pending),
+                           checks=st.checks.restarted())
 
 
 def _pipelined_with_replacement(st: _Pipelined, ctx: _Context, b, every: int) -> _Pipelined:
@@ -257,41 +248,26 @@ def _pipelined_with_replacement(st: _Pipelined, ctx: _Context, b, every: int) ->
 
 def _confirmed_step(st: _Pipelined, ctx: _Context) -> _Pipelined:
     """A pipelined step whose stopping test is confirmed on the true residual
-    (see `_confirmed_rounds`): a step whose own residual met the tolerance
-    without having been just recomputed ends the round with `pending` set;
-    one after a restart whose true residual is not below the previous
-    restart's stops the solve (`stalled`)."""
-    fresh, last = st.checks.fresh, st.checks.last
+    (`_driver.Confirmation`): a step whose own residual met the tolerance
+    ends the round (`pending`) and does not count; one after a restart whose
+    true residual is not below the previous restart's stops the solve."""
     new = _pipelined_step(st, ctx)
     sc = new.sc
-    stalled = fresh & ~(sc.rr <= sc.tol2) & (sc.rr >= last)
-    pending = ~sc.go & (sc.rr <= sc.tol2) & ~fresh & (sc.k <= ctx.max_steps)
-    # such a step updated neither x nor r (alpha = 0) and does not count
-    sc = sc._replace(go=sc.go & ~stalled, k=sc.k - pending.astype(sc.k.dtype))
-    return new._replace(sc=sc, checks=_Checks(fresh=jnp.zeros_like(fresh), pending=pending,
-                                              last=jnp.where(fresh, sc.rr, last),
-                                              stalled=stalled))
+    checks = st.checks.after_step(~sc.go & (sc.rr <= sc.tol2) & (sc.k <= ctx.max_steps),
+                                  sc.rr, sc.tol2)
+    # a pending step updated neither x nor r (alpha = 0)
+    sc = sc._replace(go=sc.go & ~checks.stalled, k=sc.k - checks.pending.astype(sc.k.dtype))
+    return new._replace(sc=sc, checks=checks)
 
 
 def _confirmed_rounds(state: _Pipelined, ctx: _Context, b, max_steps: int) -> _Pipelined:
-    """Pipelined CG whose stopping test is confirmed on the true residual.
-
-    Rounds of pipelined steps: when the recursively updated residual meets
-    the tolerance, the round ends and the next restarts from `x` (`_restart`:
-    the true residual, 2 matvecs, no reduction); its first step's one
-    reduction then tests the true residual and stops there if that meets the
-    tolerance. Otherwise the iteration goes on from the restart, and a later
-    restart whose true residual is not below the previous one's stops as
-    `STAGNATION` (the attainable accuracy was reached). The restart sits in
-    the outer loop, not in the step, so under `vmap` (where a conditional
-    runs both branches) it is not paid every step.
-    """
-    def round_(st):
-        st = lax.cond(st.checks.pending, lambda s: _restart(s, ctx, b), lambda s: s, st)
-        return lax.while_loop(lambda st: st.sc.go & (st.sc.k <= max_steps),
-                              functools.partial(_confirmed_step, ctx=ctx), st)
-
-    return lax.while_loop(lambda st: st.sc.go | st.checks.pending, round_, state)
+    """Pipelined CG in rounds whose stopping test is confirmed on the true
+    residual: the restart from `x` costs 2 matvecs and no reduction (the next
+    step's reduction tests it)."""
+    return _driver.confirmed_rounds(
+        state, checks=lambda st: st.checks, step=functools.partial(_confirmed_step, ctx=ctx),
+        going=lambda st: st.sc.go & (st.sc.k <= max_steps),
+        restart=lambda st: _restart(st, ctx, b))
 
 
 def _initial_state(method: str, ctx: _Context, x, r, sc: _Scalars):
@@ -305,10 +281,7 @@ def _initial_state(method: str, ctx: _Context, x, r, sc: _Scalars):
         u = ctx.M(r)
         return _Pipelined(x=x, r=r, p=zeros, s=zeros, w=ctx.A(u), z=zeros,
                           u=None if ctx.identity else u, q=None if ctx.identity else zeros,
-                          sc=sc, checks=_Checks(fresh=jnp.bool_(False),
-                                                pending=jnp.bool_(False),
-                                                last=jnp.asarray(jnp.inf, sc.rr.dtype),
-                                                stalled=jnp.bool_(False)))
+                          sc=sc, checks=_driver.Confirmation.start(sc.rr.dtype))
 
 
 def _start(problem: Problem, ctx: _Context, real, max_steps: int, record_history: bool):

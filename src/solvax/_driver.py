@@ -153,6 +153,53 @@ def squared_threshold(bb, rtol, atol):
     return jnp.maximum(atol * atol, rtol * rtol * bb)
 
 
+class Confirmation(NamedTuple):
+    """A method's own stopping test, confirmed on the true residual.
+
+    Recurrences that update the residual (pipelined and s-step CG) can meet
+    the tolerance on it while `b - A x` does not. Such a method runs in
+    rounds (`confirmed_rounds`): when its own test says converged, the round
+    ends with `pending` set and the next one restarts from `x` with the true
+    residual (`fresh`), which the next step's reduction tests; a restart
+    whose true residual is not below the previous restart's (`last`) means
+    the attainable accuracy was reached (`stalled`: `STAGNATION`).
+    """
+
+    pending: jax.Array  # the own test met the tolerance: restart and test the true residual
+    fresh: jax.Array  # the residual was just recomputed as b - A x
+    last: jax.Array  # squared true residual at the previous restart (inf before one)
+    stalled: jax.Array  # a restart did not lower the true residual: stop
+
+    @classmethod
+    def start(cls, real) -> Confirmation:
+        false = jnp.bool_(False)
+        return cls(pending=false, fresh=false, last=jnp.asarray(jnp.inf, real), stalled=false)
+
+    def after_step(self, converged, rr, tol2) -> Confirmation:
+        """After a step whose own test says `converged`, with squared residual
+        `rr` (the true one when the step started `fresh`)."""
+        return Confirmation(pending=converged & ~self.fresh, fresh=jnp.zeros_like(self.fresh),
+                            last=jnp.where(self.fresh, rr, self.last),
+                            stalled=self.fresh & ~(rr <= tol2) & (rr >= self.last))
+
+    def restarted(self) -> Confirmation:
+        """After the restart (taken where `pending`): the next step tests the true residual."""
+        return self._replace(pending=~self.pending, fresh=self.pending)
+
+
+def confirmed_rounds(state, *, checks: Callable, going: Callable, step: Callable,
+                     restart: Callable):
+    """Rounds of `step` while `going(state)`, each after a `restart` where
+    `checks(state).pending` (see `Confirmation`). The restart sits outside the
+    step: under `vmap` a conditional runs both branches, so one in the step
+    would cost its matvec every step."""
+    def round_(st):
+        st = jax.lax.cond(checks(st).pending, restart, lambda st: st, st)
+        return jax.lax.while_loop(going, step, st)
+
+    return jax.lax.while_loop(lambda st: going(st) | checks(st).pending, round_, state)
+
+
 class Outcome(NamedTuple):
     """What a method returns; `finish` makes it a `Solution`."""
 

@@ -72,9 +72,7 @@ class _State(NamedTuple):
     k: jax.Array  # outer steps that updated x
     status: jax.Array  # RUNNING, or why the loop stopped
     go: jax.Array  # the last outer step updated x
-    pending: jax.Array  # the own residual met the tolerance: restart and test the true one
-    fresh: jax.Array  # r was just recomputed as b - A x
-    last: jax.Array  # <r, r> at the previous restart (inf before one)
+    checks: _driver.Confirmation  # confirming convergence on the true residual
     history: jax.Array | None
 
 
@@ -185,6 +183,47 @@ def _largest_ritz(G, N, eps):
     return jnp.max(jnp.linalg.eigvalsh(_hermitian(jnp.conj(S.T) @ G @ S)))
 
 
+def _coordinates(W, XZ, s: int, eps: float):
+    """The s x s algebra of an outer step, from its Gram block `XZ`:
+    `P = V - Q B` (A-orthogonal to the previous directions Q, whose `Q^H A Q`
+    has the spectral data `W`), `P^H A P` (`Wn`) with its spectral data, and
+    the step `a` solving `P^H A P a = P^H r`."""
+    G, C = XZ[:s, :s], XZ[s:2 * s, :s]  # V^H A V, Q^H A V
+    Vr, Qr = XZ[:s, s], XZ[s:2 * s, s]  # V^H r, Q^H r
+    B = _pinv_times(W, C)  # (s, s); 0 at the first step (Q = 0)
+    Wn = _hermitian(G - jnp.conj(C.T) @ B)  # P^H A P
+    spec = _spectral(Wn, eps)
+    a = _pinv_times(spec, Vr - jnp.conj(B.T) @ Qr)
+    return B, Wn, spec, a
+
+
+def _step_status(rr, tol2, Wn, spec, eps: float):
+    """Why the outer step stops (`RUNNING` if it does not), and whether its
+    data are finite."""
+    _, lam, _, keep = spec
+    finite = jnp.isfinite(rr) & jnp.all(jnp.isfinite(Wn))
+    # clearly negative curvature; smaller negative eigenvalues are rounding in a
+    # basis that lost rank (measured: float32 on jax 0.4.38 near the end of a
+    # solve of the condition-660 1-D Poisson test) and are dropped with it
+    indefinite = jnp.min(lam) < -(eps ** _NEGATIVE_POWER) * jnp.max(jnp.abs(lam))
+    status = first_status([(~finite, Status.NONFINITE), (rr <= tol2, Status.CONVERGED),
+                           (indefinite, Status.INDEFINITE), (~jnp.any(keep), Status.BREAKDOWN)],
+                          RUNNING)
+    return status, finite
+
+
+def _next_bases(X, AV, AQR, B, a, s: int):
+    """One pass over `X = [V, Q, x, r]` gives `[P; x + P a]` (`P = V - Q B`),
+    one over `[A V, A Q, r]` gives `[A P; r - A P a]`."""
+    Ba = B @ a
+    K = (jnp.zeros((s + 1, 2 * s + 2), B.dtype).at[:s, :s].set(jnp.eye(s, dtype=B.dtype))
+         .at[:s, s:2 * s].set(-B.T).at[s, :s].set(a).at[s, s:2 * s].set(-Ba).at[s, 2 * s].set(1))
+    QX = tree.basis_mix(X, K)
+    AX = tree.basis_join([tree.basis_of(AV), AQR])
+    KA = K[:, :2 * s + 1].at[s, :2 * s].multiply(-1)  # ... r - (A V a - A Q B a)
+    return QX, tree.basis_mix(AX, KA)
+
+
 def _outer_step(st: _State, ctx: _Context) -> _State:
     real = st.tol2.dtype
     eps = ctx.eps
@@ -201,8 +240,6 @@ def _outer_step(st: _State, ctx: _Context) -> _State:
     Z = tree.basis_of(AV + [r] + (Y[1:] if ctx.estimate else []))
     with jax.named_scope("solvax.pcg.reduce"):
         XZ = ctx.ip.gram(X, Z)
-    G, C = XZ[:s, :s], XZ[s:2 * s, :s]  # V^H A V, Q^H A V
-    Vr, Qr = XZ[:s, s], XZ[s:2 * s, s]  # V^H r, Q^H r
     rr = jnp.real(XZ[2 * s + 1, s])
 
     tol2 = st.tol2
@@ -212,40 +249,18 @@ def _outer_step(st: _State, ctx: _Context) -> _State:
     if history is not None:
         history = history.at[st.k * s].set(_reduce.real_sqrt(rr))
 
-    B = _pinv_times(st.W, C)  # (s, s); 0 at the first step (Q = 0)
-    Wn = _hermitian(G - jnp.conj(C.T) @ B)  # P^H A P
-    spec = _spectral(Wn, eps)
-    _, lam, _, keep = spec
-    a = _pinv_times(spec, Vr - jnp.conj(B.T) @ Qr)  # P^H A P a = P^H r
-
-    finite = jnp.isfinite(rr) & jnp.all(jnp.isfinite(Wn))
-    # clearly negative curvature; smaller negative eigenvalues are rounding in a
-    # basis that lost rank (measured: float32 on jax 0.4.38 near the end of a
-    # solve of the condition-660 1-D Poisson test) and are dropped with it
-    indefinite = jnp.min(lam) < -(eps ** _NEGATIVE_POWER) * jnp.max(jnp.abs(lam))
-    status = first_status([(~finite, Status.NONFINITE), (rr <= tol2, Status.CONVERGED),
-                           (indefinite, Status.INDEFINITE), (~jnp.any(keep), Status.BREAKDOWN)],
-                          RUNNING)
+    B, Wn, spec, a = _coordinates(st.W, XZ, s, eps)
+    status, finite = _step_status(rr, tol2, Wn, spec, eps)
     # the own residual's convergence is confirmed on the true one (`_rounds`)
-    pending = (status == code(Status.CONVERGED)) & ~st.fresh
-    stalled = st.fresh & ~(rr <= tol2) & (rr >= st.last)
-    status = jnp.where(stalled, code(Status.STAGNATION), status)
+    checks = st.checks.after_step(status == code(Status.CONVERGED), rr, tol2)
+    status = jnp.where(checks.stalled, code(Status.STAGNATION), status)
     go = (status == RUNNING) & (st.k < ctx.max_outer)
     a = jnp.where(go, a, 0)  # a step that does not go leaves x and r as they are
-
-    # One pass over X = [V, Q, x, r] gives [P; x + P a] (P = V - Q B), one
-    # over [A V, A Q, r] gives [A P; r - A P a].
-    Ba = B @ a
-    K = (jnp.zeros((s + 1, 2 * s + 2), B.dtype).at[:s, :s].set(jnp.eye(s, dtype=B.dtype))
-         .at[:s, s:2 * s].set(-B.T).at[s, :s].set(a).at[s, s:2 * s].set(-Ba).at[s, 2 * s].set(1))
-    QX = tree.basis_mix(X, K)
-    AX = tree.basis_join([tree.basis_of(AV), st.AQR])
-    KA = K[:, :2 * s + 1].at[s, :2 * s].multiply(-1)  # ... r - (A V a - A Q B a)
-    AQR = tree.basis_mix(AX, KA)
+    QX, AQR = _next_bases(X, AV, st.AQR, B, a, s)
 
     center, half, lmax = st.center, st.half, st.lmax
     if ctx.estimate:  # Chebyshev/Newton on [0, 1.1 lmax]: Ritz values lie below lmax
-        N = XZ[:s, s:2 * s]  # V^H Y, with Y_0 = r
+        G, N = XZ[:s, :s], XZ[:s, s:2 * s]  # V^H A V, V^H Y with Y_0 = r
         # The largest Ritz value of a block settles within a few blocks; later
         # ones would cost two small eigensolves per step for little (measured:
         # 0.35x -> 0.30x jax.scipy's cg per iteration on the latency-bound mesh).
@@ -255,8 +270,7 @@ def _outer_step(st: _State, ctx: _Context) -> _State:
     return _State(
         QX=QX, AQR=AQR, W=spec,
         center=center, half=half, lmax=lmax, tol2=tol2, rr=rr, k=st.k + go.astype(st.k.dtype),
-        status=status, go=go, pending=pending, fresh=jnp.zeros_like(st.fresh),
-        last=jnp.where(st.fresh, rr, st.last), history=history)
+        status=status, go=go, checks=checks, history=history)
 
 
 def _restart(st: _State, ctx: _Context) -> _State:
@@ -270,22 +284,16 @@ def _restart(st: _State, ctx: _Context) -> _State:
         return st._replace(QX=tree.basis_join([zeros, tree.basis_of([x])]),
                            AQR=tree.basis_join([zeros, tree.basis_of([r])]),
                            W=_spectral(jnp.zeros_like(st.W[0]), ctx.eps),
-                           status=jnp.full_like(st.status, RUNNING), go=st.pending,
-                           pending=~st.pending, fresh=st.pending)
+                           status=jnp.full_like(st.status, RUNNING), go=st.checks.pending,
+                           checks=st.checks.restarted())
 
 
 def _rounds(st: _State, ctx: _Context) -> _State:
-    """Outer steps in rounds: when the recursively updated residual meets the
-    tolerance, the round ends and the next restarts from `x` with the true
-    residual, which the next reduction tests: it stops there if that meets
-    the tolerance, and as `STAGNATION` if a restart does not lower the true
-    residual below the previous restart's. The restart sits outside the step
-    (a conditional in the step would run its matvec every step under `vmap`)."""
-    def round_(st):
-        st = lax.cond(st.pending, lambda st: _restart(st, ctx), lambda st: st, st)
-        return lax.while_loop(lambda st: st.go, functools.partial(_outer_step, ctx=ctx), st)
-
-    return lax.while_loop(lambda st: st.go | st.pending, round_, st)
+    """Outer steps in rounds whose stopping test is confirmed on the true
+    residual (`_driver.Confirmation`; the restart: one matvec, no reduction)."""
+    return _driver.confirmed_rounds(st, checks=lambda st: st.checks, going=lambda st: st.go,
+                                    step=functools.partial(_outer_step, ctx=ctx),
+                                    restart=lambda st: _restart(st, ctx))
 
 
 def _run(problem: Problem, *, s: int, basis: str, max_steps: int | None,
@@ -318,8 +326,7 @@ def _run(problem: Problem, *, s: int, basis: str, max_steps: int | None,
                 W=_spectral(jnp.zeros((s, s), dtype), ctx.eps),
                 center=center, half=half, lmax=jnp.zeros((), real), tol2=tol2, rr=one,
                 k=jnp.int32(0), status=jnp.int32(RUNNING), go=jnp.bool_(True),
-                pending=jnp.bool_(False), fresh=jnp.bool_(False),
-                last=jnp.asarray(jnp.inf, real),
+                checks=_driver.Confirmation.start(real),
                 history=problem.history(ctx.max_outer * s + 1, record_history))
     st = problem.ip.typed_like_results(st, b)
     st = _rounds(st, ctx)

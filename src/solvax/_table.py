@@ -61,14 +61,49 @@ def _shard_mapped(mesh, solve):
     return run
 
 
-def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
-    rng = np.random.default_rng(0)
+# The Krylov rows: (case, solver, options), each run as
+# `solver(diagonal operator, b, **options).x` on a vector sharded P('i'); the
+# shard_map rows inside `shard_map` with axis_name='i'; the pytree rows on a
+# dict mixing a P('i') vector and a P(None, 'i') field.
+_KRYLOV = [
+    ("PCG", pcg, {}),
+    ("PCG, single_reduction=True", pcg, {"single_reduction": True}),
+    ("PCG, pipelined", pcg, {"method": "pipelined"}),
+    ("PCG, s_step s=4 (a step = 4 CG iterations)", pcg, {"method": "s_step", "s": 4}),
+    ("PCG, s_step s=8 (a step = 8 CG iterations)", pcg, {"method": "s_step", "s": 8}),
+    ("FGMRES(16) via linear_solve", linear_solve, {"solver": _gmres16}),
+    ("FGMRES(16), CGS2 orthogonalization", gmres, {"restart": 16, "orthogonalization": "cgs2"}),
+    ("BiCGStab", bicgstab, {}),
+    ("BiCGStab, method='one_sync'", bicgstab, {"method": "one_sync"}),
+    ("IDR(4)", idrs, {"s": 4}),
+    ("MINRES", minres, {}),
+]
+_SHARD_MAPPED = [
+    ("shard_map: PCG, single_reduction (axis_name)", pcg, {"single_reduction": True}),
+    ("shard_map: PCG, pipelined (axis_name)", pcg, {"method": "pipelined"}),
+    ("shard_map: PCG, s_step s=4 (axis_name)", pcg, {"method": "s_step", "s": 4}),
+    ("shard_map: FGMRES(16) (axis_name)", gmres, {"restart": 16}),
+    ("shard_map: BiCGStab (axis_name)", bicgstab, {}),
+    ("shard_map: BiCGStab one_sync (axis_name)", bicgstab, {"method": "one_sync"}),
+    ("shard_map: IDR(4) (axis_name)", idrs, {"s": 4}),
+    ("shard_map: MINRES (axis_name)", minres, {}),
+]
+_PYTREE = [
+    ("pytree PCG, P('i') + P(None,'i') leaves", pcg, {}),
+    ("pytree PCG single_reduction, P('i') + P(None,'i')", pcg, {"single_reduction": True}),
+    ("pytree PCG s_step s=4, P('i') + P(None,'i')", pcg, {"method": "s_step", "s": 4}),
+    ("pytree FGMRES(16), P('i') + P(None,'i') leaves", gmres, {"restart": 16}),
+    ("pytree IDR(4), P('i') + P(None,'i') leaves", idrs, {}),
+    ("pytree MINRES, P('i') + P(None,'i') leaves", minres, {}),
+]
 
-    def put(x, *spec):
-        return jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(*spec)))
 
-    vec = lambda: put(rng.standard_normal(n), "i")  # noqa: E731
-    diag = put(2.0 + rng.random(n), "i")
+def _krylov(solver, options):
+    return lambda d, b, **kw: solver(_diag(d), b, **options, **kw).x
+
+
+def _structured_cases(mesh: Mesh, n: int, put, rng) -> dict[str, tuple[Callable, tuple]]:
+    """The direct solves: batched (batch axis sharded) and partitioned (solve axis)."""
     batch = 4 * n // 64
     lower, upper, rhs = (put(rng.standard_normal((24, batch)), None, "i") for _ in range(3))
     bands = (lower, put(4.0 + rng.random((24, batch)), None, "i"), upper, rhs)
@@ -80,8 +115,6 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
     split_blocks = tuple(put(rng.standard_normal((n // 8, 4, 4)) + (8 * np.eye(4) if k == 1
                                                                      else 0), "i")
                          for k in range(3)) + (put(rng.standard_normal((n // 8, 4)), "i"),)
-    tree_d = {"vector": diag, "field": put(2.0 + rng.random((4, n)), None, "i")}
-    tree_b = {"vector": vec(), "field": put(rng.standard_normal((4, n)), None, "i")}
     return {
         "batched tridiagonal, batch axis sharded": (
             lambda lo, d, up, r: tridiagonal_solve(lo, d, up, r), bands),
@@ -96,56 +129,25 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
             lambda lo, d, up, r: partitioned_block_tridiagonal_solve(lo, d, up, r,
                                                                      axis_name="i", mesh=mesh),
             split_blocks),
-        "PCG": (lambda d, b: pcg(_diag(d), b).x, (diag, vec())),
-        "PCG, single_reduction=True": (
-            lambda d, b: pcg(_diag(d), b, single_reduction=True).x, (diag, vec())),
-        "PCG, pipelined": (lambda d, b: pcg(_diag(d), b, method="pipelined").x, (diag, vec())),
-        "PCG, s_step s=4 (a step = 4 CG iterations)": (
-            lambda d, b: pcg(_diag(d), b, method="s_step", s=4).x, (diag, vec())),
-        "PCG, s_step s=8 (a step = 8 CG iterations)": (
-            lambda d, b: pcg(_diag(d), b, method="s_step", s=8).x, (diag, vec())),
-        "FGMRES(16) via linear_solve": (
-            lambda d, b: linear_solve(_diag(d), b, solver=_gmres16).x, (diag, vec())),
-        "FGMRES(16), CGS2 orthogonalization": (
-            lambda d, b: gmres(_diag(d), b, restart=16, orthogonalization="cgs2").x,
-            (diag, vec())),
-        "BiCGStab": (lambda d, b: bicgstab(_diag(d), b).x, (diag, vec())),
-        "BiCGStab, method='one_sync'": (
-            lambda d, b: bicgstab(_diag(d), b, method="one_sync").x, (diag, vec())),
-        "IDR(4)": (lambda d, b: idrs(_diag(d), b, s=4).x, (diag, vec())),
-        "MINRES": (lambda d, b: minres(_diag(d), b).x, (diag, vec())),
-        "shard_map: PCG, single_reduction (axis_name)": (_shard_mapped(
-            mesh, lambda d, b, **kw: pcg(_diag(d), b, single_reduction=True, **kw).x),
-            (diag, vec())),
-        "shard_map: PCG, pipelined (axis_name)": (_shard_mapped(
-            mesh, lambda d, b, **kw: pcg(_diag(d), b, method="pipelined", **kw).x),
-            (diag, vec())),
-        "shard_map: PCG, s_step s=4 (axis_name)": (_shard_mapped(
-            mesh, lambda d, b, **kw: pcg(_diag(d), b, method="s_step", s=4, **kw).x),
-            (diag, vec())),
-        "shard_map: FGMRES(16) (axis_name)": (_shard_mapped(
-            mesh, lambda d, b, **kw: gmres(_diag(d), b, restart=16, **kw).x), (diag, vec())),
-        "shard_map: BiCGStab (axis_name)": (_shard_mapped(
-            mesh, lambda d, b, **kw: bicgstab(_diag(d), b, **kw).x), (diag, vec())),
-        "shard_map: BiCGStab one_sync (axis_name)": (_shard_mapped(
-            mesh, lambda d, b, **kw: bicgstab(_diag(d), b, method="one_sync", **kw).x),
-            (diag, vec())),
-        "shard_map: IDR(4) (axis_name)": (_shard_mapped(
-            mesh, lambda d, b, **kw: idrs(_diag(d), b, s=4, **kw).x), (diag, vec())),
-        "shard_map: MINRES (axis_name)": (_shard_mapped(
-            mesh, lambda d, b, **kw: minres(_diag(d), b, **kw).x), (diag, vec())),
-        "pytree PCG, P('i') + P(None,'i') leaves": (
-            lambda d, b: pcg(_diag(d), b).x, (tree_d, tree_b)),
-        "pytree PCG single_reduction, P('i') + P(None,'i')": (
-            lambda d, b: pcg(_diag(d), b, single_reduction=True).x, (tree_d, tree_b)),
-        "pytree PCG s_step s=4, P('i') + P(None,'i')": (
-            lambda d, b: pcg(_diag(d), b, method="s_step", s=4).x, (tree_d, tree_b)),
-        "pytree FGMRES(16), P('i') + P(None,'i') leaves": (
-            lambda d, b: gmres(_diag(d), b, restart=16).x, (tree_d, tree_b)),
-        "pytree IDR(4), P('i') + P(None,'i') leaves": (
-            lambda d, b: idrs(_diag(d), b).x, (tree_d, tree_b)),
-        "pytree MINRES, P('i') + P(None,'i') leaves": (
-            lambda d, b: minres(_diag(d), b).x, (tree_d, tree_b)),
+    }
+
+
+def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
+    rng = np.random.default_rng(0)
+
+    def put(x, *spec):
+        return jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(*spec)))
+
+    diag, b = put(2.0 + rng.random(n), "i"), put(rng.standard_normal(n), "i")
+    tree_d = {"vector": diag, "field": put(2.0 + rng.random((4, n)), None, "i")}
+    tree_b = {"vector": b, "field": put(rng.standard_normal((4, n)), None, "i")}
+    return {
+        **_structured_cases(mesh, n, put, rng),
+        **{case: (_krylov(solver, options), (diag, b)) for case, solver, options in _KRYLOV},
+        **{case: (_shard_mapped(mesh, _krylov(solver, options)), (diag, b))
+           for case, solver, options in _SHARD_MAPPED},
+        **{case: (_krylov(solver, options), (tree_d, tree_b))
+           for case, solver, options in _PYTREE},
     }
 
 
