@@ -38,7 +38,13 @@ import jax.scipy.sparse.linalg as jsp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from problems import convection_diffusion, parse_args, poisson, saddle_point  # noqa: E402
+from problems import (  # noqa: E402
+    convection_diffusion,
+    latency_problem,
+    parse_args,
+    poisson,
+    saddle_point,
+)
 
 import solvax as sx  # noqa: E402
 
@@ -231,10 +237,8 @@ def pytree_compile(n_leaves, size):
 def latency(n, iterations=200):
     mesh = Mesh(np.array(jax.devices()[:8]), ("i",))
     sharding = NamedSharding(mesh, P("i"))
-    # a spread spectrum (condition 1e4), so no variant converges or breaks down
-    # before the 200 steps: every run really takes them (checked below)
-    d = jax.device_put(jnp.asarray(1.0 + 1e4 * np.arange(n) / n), sharding)
-    b = jax.device_put(jnp.ones(n), sharding)
+    # every run really takes the 200 steps (checked below)
+    d, b = latency_problem(n, sharding)
     cg = {
         "solvax pcg": lambda d, b: sx.pcg(lambda x: d * x, b, rtol=0.0, max_steps=iterations).x,
         "solvax pcg single_reduction": lambda d, b: sx.pcg(

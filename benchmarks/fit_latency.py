@@ -56,7 +56,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from problems import median_time  # noqa: E402
+from problems import latency_problem, median_time  # noqa: E402
 
 import solvax as sx  # noqa: E402
 
@@ -124,12 +124,8 @@ def methods(iterations):
 
 
 def problem(p, n_local):
-    """The latency benchmark's problem: a diagonal operator of condition 1e4."""
-    mesh = mesh_of(p)
-    n = p * n_local
-    sharding = NamedSharding(mesh, P("i"))
-    d = jax.device_put(jnp.asarray(1.0 + 1e4 * np.arange(n) / n), sharding)
-    return d, jax.device_put(jnp.ones(n), sharding)
+    """The latency benchmark's system with `n_local` unknowns on each of p devices."""
+    return latency_problem(p * n_local, NamedSharding(mesh_of(p), P("i")))
 
 
 def model(row, alpha, beta, p, shared=1.0):

@@ -80,3 +80,14 @@ def median_time(fn, *args, repeats=5):
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def latency_problem(n, sharding):
+    """The latency-bound mesh's system, placed with `sharding`: a diagonal
+    operator `d` with a spread spectrum (condition 1e4, so no variant
+    converges or breaks down within a few hundred steps) and `b` of ones."""
+    import jax
+    import numpy as np
+
+    d = jax.device_put(jnp.asarray(1.0 + 1e4 * np.arange(n) / n), sharding)
+    return d, jax.device_put(jnp.ones(n), sharding)

@@ -260,13 +260,13 @@ def _confirmed_step(st: _Pipelined, ctx: _Context) -> _Pipelined:
     return new._replace(sc=sc, checks=checks)
 
 
-def _confirmed_rounds(state: _Pipelined, ctx: _Context, b, max_steps: int) -> _Pipelined:
+def _confirmed_rounds(state: _Pipelined, ctx: _Context, b) -> _Pipelined:
     """Pipelined CG in rounds whose stopping test is confirmed on the true
     residual: the restart from `x` costs 2 matvecs and no reduction (the next
     step's reduction tests it)."""
     return _driver.confirmed_rounds(
         state, checks=lambda st: st.checks, step=functools.partial(_confirmed_step, ctx=ctx),
-        going=lambda st: st.sc.go & (st.sc.k <= max_steps),
+        going=lambda st: st.sc.go & (st.sc.k <= ctx.max_steps),
         restart=lambda st: _restart(st, ctx, b))
 
 
@@ -318,7 +318,7 @@ def _run(problem: Problem, *, method: str, max_steps: int | None, residual_repla
     # x converged, with no reduction after the loop.
     state = problem.ip.typed_like_results(state, problem.b)
     if method == "pipelined" and not residual_replacement:
-        state = _confirmed_rounds(state, ctx, problem.b, max_steps)
+        state = _confirmed_rounds(state, ctx, problem.b)
     else:
         state = lax.while_loop(lambda st: st.sc.go & (st.sc.k <= max_steps),
                                functools.partial(step, ctx=ctx), state)
