@@ -1,6 +1,6 @@
 """The seed's communication table for 1, 2, 4 and 8 emulated CPU devices.
 
-    python benchmarks/benchmark_collectives.py [--json PATH] [--devices 1 2 4 8]
+    python benchmarks/benchmark_collectives.py [--json PATH] [--devices 1 2 4 8] [--case CASE ...]
 
 Counts collective instructions in the optimized HLO of each compiled solve
 (primal, and `jax.grad` of `sum(x**2)` for the adjoint) with
@@ -25,12 +25,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--case", nargs="+", default=None, metavar="CASE",
+                        help="only these rows (their names as printed; default: every row)")
     args = parser.parse_args()
 
     print(f"jax {jax.__version__}; {_table.MEANING}\n")
     rows = []
     for ndev in args.devices:
-        measured = _table.measure(ndev)
+        measured = _table.measure(ndev, cases=args.case)
         rows += measured
         print(_table.format_table(measured), end="\n\n")
     if args.json:

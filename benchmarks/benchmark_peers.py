@@ -58,6 +58,8 @@ RTOL = 1e-8
 REPEATS = 5
 COMPILE_REPEATS = 5
 WARMUP_ROUNDS = 1  # unmeasured compile rounds first (none in a --small smoke run)
+S_VALUES = (2, 4, 8)  # s-step CG's s (a --small smoke run: s = 4 alone)
+IDR_S_VALUES = (1, 2, 4, 8)  # IDR(s)'s s (likewise)
 
 
 def family(solver):
@@ -83,7 +85,7 @@ def cg_solvers(matvec):
         "solvax pcg pipelined": lambda b: sx.pcg(matvec, b, rtol=RTOL, method="pipelined").x,
         **{f"solvax pcg s_step s={s}": (lambda b, s=s: sx.pcg(matvec, b, rtol=RTOL,
                                                               method="s_step", s=s).x)
-           for s in (2, 4, 8)},
+           for s in S_VALUES},
         "jax.scipy cg": lambda b: jsp.cg(matvec, b, tol=RTOL, atol=0.0)[0],
     }
     if lx is not None:
@@ -118,7 +120,7 @@ def nonsymmetric_solvers(matvec):
         "solvax bicgstab one_sync": lambda b: sx.bicgstab(matvec, b, rtol=RTOL,
                                                           method="one_sync").x,
         **{f"solvax idrs s={s}": (lambda b, s=s: sx.idrs(matvec, b, s=s, rtol=RTOL).x)
-           for s in (1, 2, 4, 8)},
+           for s in IDR_S_VALUES},
         "jax.scipy bicgstab": lambda b: jsp.bicgstab(matvec, b, tol=RTOL, atol=0.0,
                                                      maxiter=100000)[0],
     }
@@ -247,7 +249,7 @@ def latency(n, iterations=200):
             lambda x: d * x, b, rtol=0.0, max_steps=iterations, method="pipelined").x,
         **{f"solvax pcg s_step s={s}": (lambda d, b, s=s: sx.pcg(
             lambda x: d * x, b, rtol=0.0, max_steps=iterations, method="s_step", s=s).x)
-           for s in (2, 4, 8)},
+           for s in S_VALUES},
         "jax.scipy cg": lambda d, b: jsp.cg(lambda x: d * x, b, tol=0.0, atol=0.0,
                                             maxiter=iterations)[0],
     }
@@ -260,7 +262,7 @@ def latency(n, iterations=200):
                                                         maxiter=iterations)[0],
     }
     for method, s in (("standard", 4), ("single_reduction", 4), ("pipelined", 4),
-                      ("s_step", 2), ("s_step", 4), ("s_step", 8)):
+                      *(("s_step", s) for s in S_VALUES)):
         options = dict(s=s) if method == "s_step" else {}
         steps = int(sx.pcg(lambda x: d * x, b, rtol=0.0, max_steps=iterations,
                            method=method, **options).iterations)
@@ -285,9 +287,10 @@ def main():
     args = parse_args(__doc__)
     n_poisson, n_cd = (32, 16) if args.small else (512, 256)
     if args.small:  # a smoke test: one measurement each
-        global REPEATS, COMPILE_REPEATS, WARMUP_ROUNDS
+        global REPEATS, COMPILE_REPEATS, WARMUP_ROUNDS, S_VALUES, IDR_S_VALUES
         REPEATS = COMPILE_REPEATS = 1
         WARMUP_ROUNDS = 0
+        S_VALUES = IDR_S_VALUES = (4,)
     rng = np.random.default_rng(0)
     meta = {"jax": jax.__version__, "lineax": getattr(lx, "__version__", None),
             "cpu_count": os.cpu_count(), "load_average": os.getloadavg(),

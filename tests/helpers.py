@@ -197,6 +197,8 @@ SPD_SOLVERS = DISTINCT
 # the costliest generic checks (every nesting of transformations, every single
 # leaf layout) run these in full and the other variants in the combined case.
 REPRESENTATIVE = {"pcg", "pcg_pipelined", "pcg_s_step", "gmres", "bicgstab", "idrs", "minres"}
+# ... and the two `linear_solve` wrappers (their own path through the driver)
+WITH_WRAPPERS = REPRESENTATIVE | {"pcg_linear_solve", "linear_solve_gmres"}
 GENERAL_SOLVERS = [name for name, s in SOLVERS.items() if s.nonsymmetric]
 
 

@@ -1,16 +1,23 @@
 """Smoke tests: every benchmark script runs on a tiny problem (no timing asserted)."""
 
 import json
+import math
 import os
 import pathlib
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def run(script, *args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # the scripts set the device count themselves; no compilation cache (they
+    # time compiles, and a cached compile is not one)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True,
                           text=True, env=env, timeout=600, check=True).stdout
 
@@ -47,10 +54,24 @@ def test_benchmark_peers_small(tmp_path):
     assert {"solvax pcg", "jax.scipy cg", "solvax gmres one_sync"} <= solvers
     assert all(r["true_relative_residual"] < 1e-7 for r in data["problems"]
                if r["solver"].startswith("solvax"))
-    compile_ratio = {r["solver"]: r["compile_vs_jax_scipy"] for r in data["problems"]}
-    assert all(v > 0 for v in compile_ratio.values())
-    assert {r["solver"]: r["all_reduces_per_iteration"] for r in data["latency"]}[
-        "solvax pcg single_reduction"] == 1
+    rows = {(r["problem"].split()[0], r["solver"]): r for r in data["problems"]}
+    # the same CG in exact arithmetic: the same matvecs (up to the true residual's)
+    assert abs(rows["Poisson", "solvax pcg"]["matvecs"]
+               - rows["Poisson", "jax.scipy cg"]["matvecs"]) <= 2
+    # compile times relative to jax.scipy's solver of the same method on the same problem
+    reference = {"Poisson": "jax.scipy cg", "convection-diffusion": "jax.scipy gmres batched",
+                 "saddle-point": "jax.scipy gmres batched"}
+    for (problem, _), r in rows.items():
+        base = rows[problem, reference[problem]]["compile_s"]
+        assert r["compile_vs_jax_scipy"] == pytest.approx(r["compile_s"] / base, rel=1e-12)
+    # the synchronizations per iteration, read from the compiled programs
+    syncs = {r["solver"]: r["all_reduces_per_iteration"] for r in data["latency"]}
+    assert syncs == {"solvax pcg": 2, "solvax pcg single_reduction": 1,
+                     "solvax pcg pipelined": 1, "solvax pcg s_step s=4": 0.25,
+                     "jax.scipy cg": 2, "solvax bicgstab": 2, "solvax bicgstab one_sync": 1,
+                     "jax.scipy bicgstab": 4}, syncs
+    base = {r["solver"]: r["ratio_to_jax_scipy"] for r in data["latency"]}
+    assert base["jax.scipy cg"] == base["jax.scipy bicgstab"] == 1.0
 
 
 def test_benchmark_tridiagonal_small(tmp_path):
@@ -80,13 +101,32 @@ def test_plot_results_draws_every_figure_from_the_saved_results(tmp_path):
 
 
 def test_fit_latency_small(tmp_path):
-    """The scaling model's fit runs and reads the synchronizations per
-    iteration from the compiled programs (the model itself is not asserted)."""
+    """The scaling model's fit, recomputed from the times it saved: alpha is
+    the least-squares slope through the origin of the scalar all-reduce times
+    against ceil(log2 P), beta the (non-negative) slope of the vector
+    all-reduce times against their bytes, and every modelled and projected
+    time is the model's formula; the synchronizations per iteration are read
+    from the compiled programs."""
     path = tmp_path / "scaling.json"
     run("fit_latency.py", "--small", "--json", str(path), "--plot", str(tmp_path / "s.png"))
+    assert (tmp_path / "s.png").stat().st_size > 10_000
     data = json.loads(path.read_text())
     syncs = {row["method"]: row["syncs"] for row in data["methods"]}
     assert syncs["pcg standard"] == 2 and syncs["pcg single_reduction"] == 1
     assert syncs["pcg s_step s=4"] == 0.25 and syncs["bicgstab one_sync"] == 1
-    assert data["alpha_s"] >= 0 and data["beta_s_per_byte"] >= 0
-    assert all(row["projection_s"]["10000"] >= row["projection_s"]["1"] for row in data["methods"])
+    assert data["devices"] == 8 and sorted(map(int, data["allreduce_s"])) == [1, 2, 4, 8]
+    levels = {int(p): math.ceil(math.log2(int(p))) for p in data["allreduce_s"]}
+    times = {int(p): t for p, t in data["allreduce_s"].items()}
+    alpha = sum(times[p] * levels[p] for p in times) / sum(v * v for v in levels.values())
+    assert data["alpha_s"] == pytest.approx(alpha, rel=1e-9)
+    by_bytes = {int(k): v for k, v in data["allreduce_s_by_bytes"].items()}
+    slope = np.polyfit(list(by_bytes), list(by_bytes.values()), 1)[0]
+    assert data["beta_s_per_byte"] == pytest.approx(max(slope, 0.0), rel=1e-6, abs=1e-18)
+    alpha, beta = data["alpha_s"], data["beta_s_per_byte"]
+    for row in data["methods"]:
+        def model(p, shared=1.0, row=row):
+            return (shared * row["local_s"] + row["syncs"] * alpha * math.ceil(math.log2(p))
+                    + row["bytes"] * beta)
+        assert row["model_s"] == pytest.approx(model(8, data["shared"]), rel=1e-9)
+        assert {int(p): t for p, t in row["projection_s"].items()} == pytest.approx(
+            {p: model(p) for p in (1, 8, 64, 512, 4096, 10_000)}, rel=1e-9)

@@ -9,7 +9,8 @@ initial guess are all traced values catches a method that captures one.
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import SOLVERS, dense_tridiagonal, rel_err, rhs
+from helpers import SOLVERS, WITH_WRAPPERS, dense_tridiagonal, rel_err, rhs
+from matrix import levels
 
 import solvax as sx
 from solvax import _driver
@@ -27,7 +28,9 @@ def spd(theta):
     return dense_tridiagonal(minus, 2.5 + theta, minus)
 
 
-@pytest.mark.parametrize("name", list(SOLVERS))
+# one variant per method module and the `linear_solve` wrappers (every variant
+# with SOLVAX_TEST_MATRIX=full)
+@pytest.mark.parametrize("name", levels(list(SOLVERS), WITH_WRAPPERS))
 def test_grad_of_jit_with_every_option_traced(name):
     solve = SOLVERS[name].solve
 

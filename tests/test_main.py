@@ -32,19 +32,25 @@ def test_python_m_solvax_prints_the_live_table(tmp_path):
 
 
 def test_benchmark_collectives_json(tmp_path):
+    """The benchmark's own code (several device counts, a choice of rows, the
+    JSON) on five rows at 1 and 2 devices: every row at 8 devices is the live
+    table above, and that the counts do not depend on the device count is
+    pinned in tests/test_sharding.py."""
     path = tmp_path / "table.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "benchmark_collectives.py"),
-                    "--devices", "2", "--json", str(path)],
-                   capture_output=True, text=True, env=clean_env(), timeout=600, check=True)
-    # 2 devices (the 8-device table is the live table above; that the counts
-    # do not depend on the device count is pinned in tests/test_sharding.py)
-    data = json.loads(path.read_text())
-    rows = {(r["case"], r["devices"]): r for r in data["rows"]}
     expected = {"PCG": (3, 6, 2), "PCG, single_reduction=True": (2, 4, 1),
                 "FGMRES(16) via linear_solve": (3, 6, 1),
                 "PCG, s_step s=4 (a step = 4 CG iterations)": (2, 4, 1),
                 "batched tridiagonal, batch axis sharded": (0, 0, 0)}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "benchmark_collectives.py"),
+                          "--devices", "1", "2", "--json", str(path), "--case", *expected],
+                         capture_output=True, text=True, env=clean_env(), timeout=600,
+                         check=True).stdout
+    data = json.loads(path.read_text())
+    rows = {(r["case"], r["devices"]): r for r in data["rows"]}
+    assert set(rows) == {(case, ndev) for case in expected for ndev in (1, 2)}
     for case, counts in expected.items():
-        two = rows[(case, 2)]
+        two, one = rows[(case, 2)], rows[(case, 1)]
         assert (two["primal"], two["adjoint"], two["per_step"]) == counts, case
         assert two["all_gathers"] == 0
+        assert (one["primal"], one["adjoint"]) == (0, 0), case  # one device: no collective
+        assert case in out

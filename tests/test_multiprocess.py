@@ -82,13 +82,22 @@ def _is_worker(pid: str) -> bool:
 
 
 def test_launcher_kills_at_the_deadline(tmp_path):
+    """Workers still running at the deadline are killed, and what they printed
+    is in the report. The workers print, then write their pid file, then
+    sleep: a pid file is the event that proves the print came first (the
+    deadline is only long enough for a loaded machine to start them)."""
     script = tmp_path / "sleeper.py"
-    script.write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(60)\n")
-    result = distributed.launch(str(script), num_processes=2, timeout=2,
+    script.write_text("import os, pathlib, sys, time\nprint('sleeping', flush=True)\n"
+                      "pathlib.Path(sys.argv[1], f\"pid-{os.environ['SOLVAX_PROCESS_ID']}\")"
+                      ".write_text(str(os.getpid()))\ntime.sleep(120)\n")
+    result = distributed.launch(str(script), [str(tmp_path)], num_processes=2, timeout=8,
                                 output_dir=str(tmp_path))
     assert all(w.killed and w.returncode is None for w in result.workers)
-    assert "sleeping" in result.workers[0].output_tail and not result.ok
+    pids = _pids(tmp_path, 2)
+    assert len(pids) == 2, result.report()  # both started, so both printed
+    assert all("sleeping" in w.output_tail for w in result.workers) and not result.ok
     assert "killed at the deadline" in result.report()
+    assert all(not _alive(pid) for pid in pids), pids
 
 
 def test_workers_get_a_clean_environment(tmp_path, monkeypatch):

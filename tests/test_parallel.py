@@ -4,9 +4,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import DISTINCT, SOLVERS, count_primitives, laplacian_1d, mesh, put, rel_err
+from helpers import (
+    DISTINCT,
+    REPRESENTATIVE,
+    SOLVERS,
+    count_primitives,
+    laplacian_1d,
+    mesh,
+    put,
+    rel_err,
+)
 from jax import lax
 from jax.sharding import PartitionSpec as P
+from matrix import levels
 
 import solvax as sx
 
@@ -30,7 +40,9 @@ def global_laplacian(x):
     return 2 * x - xp[:-2] - xp[2:] + 0.1 * x
 
 
-@pytest.mark.parametrize("name", DISTINCT)
+# one variant per method module (all: SOLVAX_TEST_MATRIX=full); every variant's
+# counts and result inside shard_map: test_sharding.py
+@pytest.mark.parametrize("name", levels(DISTINCT, REPRESENTATIVE))
 def test_shard_map_solve_matches_jit(name):
     """Every registered solver inside `shard_map` with a halo-exchange matvec."""
     m = mesh(8)

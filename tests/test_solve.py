@@ -7,6 +7,8 @@ import pytest
 from helpers import (
     GENERAL_SOLVERS,
     KRYLOV,
+    LOW_SINGLE_PRECISION_ACCURACY,
+    REPRESENTATIVE,
     SOLVERS,
     SPD_SOLVERS,
     dense_of,
@@ -20,6 +22,7 @@ from helpers import (
     tolerance,
     tree_rel_err,
 )
+from matrix import levels, sample
 
 import solvax as sx
 
@@ -31,8 +34,9 @@ def check(sol, x_ref, dtype, name=""):
     assert rel_err(sol.x, x_ref) < tol
 
 
-@pytest.mark.parametrize("name", SPD_SOLVERS)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name, dtype", sample(
+    "poisson_1d", strength=1, name=SPD_SOLVERS, dtype=[np.float32, np.float64],
+    always=[(name, np.float32) for name in LOW_SINGLE_PRECISION_ACCURACY]))
 def test_poisson_1d(name, dtype):
     n = 40
     b = rhs(n, dtype=dtype)
@@ -42,7 +46,7 @@ def test_poisson_1d(name, dtype):
     check(sol, np.linalg.solve(laplacian_1d(n), np.asarray(b, np.float64)), dtype, name)
 
 
-@pytest.mark.parametrize("name", SPD_SOLVERS)
+@pytest.mark.parametrize("name", levels(SPD_SOLVERS, REPRESENTATIVE))
 def test_poisson_2d(name):
     b = rhs((12, 10))
     sol = KRYLOV[name](poisson_2d, b, rtol=1e-10)
@@ -51,8 +55,8 @@ def test_poisson_2d(name):
     assert sol.x.shape == b.shape
 
 
-@pytest.mark.parametrize("name", SPD_SOLVERS)
-@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+@pytest.mark.parametrize("name, dtype", sample(
+    "complex", strength=1, name=SPD_SOLVERS, dtype=[np.complex64, np.complex128]))
 def test_complex_hermitian(name, dtype):
     A = random_spd(30, dtype=dtype)
     b = rhs(30, dtype=dtype)
@@ -61,8 +65,9 @@ def test_complex_hermitian(name, dtype):
     check(sol, np.linalg.solve(A.astype(np.complex128), np.asarray(b, np.complex128)), dtype, name)
 
 
-@pytest.mark.parametrize("name", GENERAL_SOLVERS)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
+@pytest.mark.parametrize("name, dtype", sample(
+    "nonsymmetric", strength=1, name=GENERAL_SOLVERS,
+    dtype=[np.float32, np.float64, np.complex64, np.complex128]))
 def test_nonsymmetric(name, dtype):
     A = random_nonsymmetric(40, dtype=dtype)
     b = rhs(40, dtype=dtype)

@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import KRYLOV, SOLVERS, SPD_SOLVERS, poisson_1d, rhs
+from helpers import KRYLOV, SOLVERS, SPD_SOLVERS, WITH_WRAPPERS, poisson_1d, rhs
+from matrix import levels, sample
 
 import solvax as sx
 from solvax import Status
@@ -16,7 +17,7 @@ def true_residual(matvec, sol, b):
     return float(jnp.linalg.norm(b - matvec(sol.x)))
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", levels(ALL, WITH_WRAPPERS))
 def test_zero_rhs(name):
     b = jnp.zeros(12)
     for x0 in (None, jnp.ones(12)):
@@ -74,8 +75,8 @@ def test_pcg_loss_of_accuracy_is_not_converged():
     assert int(sol.status) == Status.STAGNATION, sol.message
 
 
-@pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("where", ["rhs", "operator"])
+@pytest.mark.parametrize("name, where", sample("nonfinite", strength=1, name=ALL,
+                                                where=["rhs", "operator"]))
 def test_nonfinite(name, where):
     b = rhs(10)
     mv = poisson_1d

@@ -102,3 +102,26 @@ def test_adjoint_is_transposed_tridiagonal_solve():
     (rbar,) = vjp(ct)
     A = np.asarray(dense_tridiagonal(lower, diag, upper))
     assert rel_err(rbar, np.linalg.solve(A.T, ct)) < 1e-12
+
+
+@pytest.mark.parametrize("method", ["thomas", "lax"])
+def test_cyclic_solve_with_a_zero_first_diagonal(method):
+    rng = np.random.default_rng(1)
+    lower, upper = rng.standard_normal((2, 12))
+    diag = 4.0 + rng.random(12)
+    diag[0] = 0.0
+    r = rng.standard_normal(12)
+    x = sx.cyclic_tridiagonal_solve(*map(jnp.asarray, (lower, diag, upper, r)), method=method)
+    assert rel_err(x, solve_dense_tridiagonal(lower, diag, upper, r, cyclic=True)) < 1e-10
+
+
+@pytest.mark.parametrize("method", ["thomas", "lax", "auto"])
+def test_unused_band_entries_are_unused(method):
+    rng = np.random.default_rng(2)
+    lower, upper = rng.standard_normal((2, 10))
+    diag = 4.0 + rng.random(10)
+    r = rng.standard_normal(10)
+    x = sx.tridiagonal_solve(*map(jnp.asarray, (lower, diag, upper, r)), method=method)
+    lower[0], upper[-1] = np.nan, np.inf
+    y = sx.tridiagonal_solve(*map(jnp.asarray, (lower, diag, upper, r)), method=method)
+    assert np.array_equal(np.asarray(x), np.asarray(y))

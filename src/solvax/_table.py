@@ -170,14 +170,21 @@ def _innermost_step(report) -> tuple[int, int]:
     return len(step), sum(c.bytes for c in step)
 
 
-def measure(devices: int, n: int = 512) -> list[Row]:
-    """All table rows on a mesh of the first `devices` devices."""
+def measure(devices: int, n: int = 512, cases: list[str] | None = None) -> list[Row]:
+    """The table's rows (all, or those named in `cases`) on a mesh of the first
+    `devices` devices."""
     if devices > len(jax.devices()):
         raise ValueError(f"{devices} devices requested, {len(jax.devices())} available; set "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts.")
     mesh = Mesh(np.array(jax.devices()[:devices]), ("i",))
     rows = []
-    for case, (fn, args) in _cases(mesh, n).items():
+    every = _cases(mesh, n)
+    unknown = sorted(set(cases or ()) - set(every))
+    if unknown:
+        raise ValueError(f"unknown table cases {unknown}; the cases are {list(every)}")
+    for case, (fn, args) in every.items():
+        if cases is not None and case not in cases:
+            continue
         primal = count_collectives(fn, *args)
         adjoint = count_collectives(jax.grad(_loss(fn), argnums=tuple(range(len(args)))), *args)
         per_step, step_bytes = _innermost_step(primal)
