@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 
 import jax
@@ -13,6 +14,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import solvax as sx
+
+
+def entry_point_env() -> dict:
+    """The environment for an entry point a test starts (`python -m solvax`, an
+    example): the tests' XLA flags (`conftest.py`: 8 devices, LLVM level 0),
+    which the entry points keep since they name the device count."""
+    return dict(os.environ)
 
 
 def mesh(ndev: int = 8) -> Mesh:

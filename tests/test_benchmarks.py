@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.benchmark
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 

@@ -1,17 +1,18 @@
 """Every example runs at a small size, in a fresh process (as a user runs it)."""
 
-import os
 import pathlib
 import subprocess
 import sys
+
+from helpers import entry_point_env
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 
 def run(script, *args, cwd=None):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script sets it
     return subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True,
-                          text=True, env=env, timeout=600, check=True, cwd=cwd).stdout
+                          text=True, env=entry_point_env(), timeout=600, check=True,
+                          cwd=cwd).stdout
 
 
 def test_poisson_sharded_prints_its_collectives():
@@ -24,7 +25,7 @@ def test_poisson_sharded_prints_its_collectives():
 
 def test_inverse_problem_fits_and_saves_a_picture(tmp_path):
     png = tmp_path / "inverse.png"
-    out = run("inverse_problem.py", "--n", "64", "--steps", "40", "--png", str(png))
+    out = run("inverse_problem.py", "--n", "64", "--steps", "15", "--png", str(png))
     first, last = (float(v) for v in out.split("loss ")[1].split(" in ")[0].split(" -> "))
     assert last < 0.2 * first, out
     assert png.stat().st_size > 10_000

@@ -1,24 +1,22 @@
 """The main job (`python -m solvax`) and the benchmark script run on a fresh process."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
+import pytest
+from helpers import entry_point_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def clean_env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the entry points set the device count themselves
-    return env
 
 
 def test_python_m_solvax_prints_the_live_table(tmp_path):
     path = tmp_path / "table.json"
     out = subprocess.run([sys.executable, "-m", "solvax", "--json", str(path)],
-                         capture_output=True, text=True, env=clean_env(), timeout=600,
+                         capture_output=True, text=True, env=entry_point_env(), timeout=600,
                          check=True).stdout
     assert "8 CPU devices" in out
     rows = {r["case"]: r for r in json.loads(path.read_text())["rows"]}
@@ -31,6 +29,7 @@ def test_python_m_solvax_prints_the_live_table(tmp_path):
             single["all_gathers"]) == (2, 4, 1, 0)
 
 
+@pytest.mark.benchmark
 def test_benchmark_collectives_json(tmp_path):
     """The benchmark's own code (several device counts, a choice of rows, the
     JSON) on five rows at 1 and 2 devices: every row at 8 devices is the live
@@ -43,7 +42,7 @@ def test_benchmark_collectives_json(tmp_path):
                 "batched tridiagonal, batch axis sharded": (0, 0, 0)}
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "benchmark_collectives.py"),
                           "--devices", "1", "2", "--json", str(path), "--case", *expected],
-                         capture_output=True, text=True, env=clean_env(), timeout=600,
+                         capture_output=True, text=True, env=entry_point_env(), timeout=600,
                          check=True).stdout
     data = json.loads(path.read_text())
     rows = {(r["case"], r["devices"]): r for r in data["rows"]}

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from helpers import DISTINCT, REPRESENTATIVE, mesh, put, tree_rel_err
 from helpers import SOLVERS as REGISTRY
-from matrix import levels, sample
+from matrix import FULL, levels, sample
 
 import solvax as sx
 
@@ -194,14 +194,21 @@ def same_sharding(out, ref):
         assert o.sharding.is_equivalent_to(r.sharding, r.ndim), (o.sharding, r.sharding)
 
 
-# Every variant in the mixed pytree (it holds all three leaf layouts); each
-# layout alone for one variant per method module, sampled (each of them in
-# one layout, each layout for at least two; all with SOLVAX_TEST_MATRIX=full).
-SINGLE_LAYOUTS = [layout for layout in LAYOUTS if layout != "dict_mixed"]
-LAYOUT_CASES = [pytest.param(name, "dict_mixed", id=f"{name}-dict_mixed")
-                for name in LAYOUT_SOLVERS] + sample(
-    "layouts", strength=1, name=[n for n in LAYOUT_SOLVERS if n in REPRESENTATIVE],
-    layout=SINGLE_LAYOUTS)
+# Every variant in one layout and every layout for several variants: one
+# variant per method module in the mixed pytree (it holds all three leaf
+# layouts), the others spread over the single layouts (every variant in every
+# layout with SOLVAX_TEST_MATRIX=full).
+def _layout_cases():
+    if FULL:
+        return sample("layouts", name=LAYOUT_SOLVERS, layout=list(LAYOUTS))
+    single = [layout for layout in LAYOUTS if layout != "dict_mixed"]
+    others = [name for name in LAYOUT_SOLVERS if name not in REPRESENTATIVE]
+    cases = [(name, "dict_mixed") for name in LAYOUT_SOLVERS if name in REPRESENTATIVE]
+    cases += [(name, single[k % len(single)]) for k, name in enumerate(others)]
+    return [pytest.param(name, layout, id=f"{name}-{layout}") for name, layout in cases]
+
+
+LAYOUT_CASES = _layout_cases()
 
 
 @pytest.mark.parametrize("name, layout", LAYOUT_CASES)

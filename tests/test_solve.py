@@ -43,7 +43,18 @@ def test_poisson_1d(name, dtype):
     rtol, _ = tolerance(dtype, name)
     sol = jax.jit(lambda b: KRYLOV[name](poisson_1d, b, rtol=rtol))(b)
     assert sol.x.dtype == dtype
-    check(sol, np.linalg.solve(laplacian_1d(n), np.asarray(b, np.float64)), dtype, name)
+    A, b64 = laplacian_1d(n), np.asarray(b, np.float64)
+    # what CONVERGED promises, on the returned x in float64: the true residual
+    # (plus the rounding of x to the dtype, cond * eps, 4e-5 in float32)
+    residual = np.linalg.norm(b64 - A @ np.asarray(sol.x, np.float64)) / np.linalg.norm(b64)
+    assert residual <= rtol + np.linalg.cond(A) * np.finfo(dtype).eps, residual
+    if name in LOW_SINGLE_PRECISION_ACCURACY and dtype == np.float32:
+        # asked for rtol 1e-3 at condition 660: the error is only bounded by
+        # cond * rtol, and differs with the rounding of the compiled code
+        assert bool(sol.converged), sol.message
+        assert rel_err(sol.x, np.linalg.solve(A, b64)) < np.linalg.cond(A) * rtol
+    else:
+        check(sol, np.linalg.solve(A, b64), dtype, name)
 
 
 @pytest.mark.parametrize("name", levels(SPD_SOLVERS, REPRESENTATIVE))

@@ -375,7 +375,11 @@ def _scaled(problem: Problem, scale) -> Problem:
     return problem._replace(
         b=tree.scale(inverse, problem.b),
         x0=None if problem.x0 is None else tree.scale(inverse, problem.x0),
-        atol=problem.tolerances()[1] * inverse.astype(real))
+        # behind a barrier: XLA's algebraic simplifier would rewrite the squared
+        # threshold's (atol s^-1)^2 as atol^2 s^-2, where s^-2 overflows
+        # (|b| ~ 1e-160 in float64): 0 * inf, a NaN threshold, and the solve
+        # stopped after 0 steps (measured under `jit`; not eagerly)
+        atol=jax.lax.optimization_barrier(problem.tolerances()[1] * inverse.astype(real)))
 
 
 def finish(problem: Problem, outcome: Outcome, name: str, scale=None) -> Solution:
