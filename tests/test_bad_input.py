@@ -64,6 +64,17 @@ class TestKrylov:
         with pytest.raises(ValueError, match="`b` must be an array or a pytree"):
             self.call(name, lambda x: x, {})
 
+    def test_a_flag_takes_a_bool(self, name):
+        """`record_history="no"` recorded a history (any truthy object was True)."""
+        with pytest.raises(TypeError, match="`record_history` must be True or False; got 'no'"):
+            self.call(name, poisson_1d, b, record_history="no")
+        self.call(name, poisson_1d, b, record_history=True)  # the valid neighbour
+
+    def test_axis_name_is_a_mesh_axis_name(self, name):
+        """`axis_name=3` failed inside NumPy ("axis 3 is out of bounds")."""
+        with pytest.raises(TypeError, match="`axis_name` must be the name of a mesh axis"):
+            self.call(name, poisson_1d, b, axis_name=3)
+
     def test_both_inner_product_and_axis_name(self, name):
         with pytest.raises(ValueError, match="either `inner_product` or `axis_name`"):
             self.call(name, poisson_1d, b, inner_product=sx.InnerProduct(), axis_name="i")
@@ -90,7 +101,7 @@ def test_max_restarts_negative():
 
 
 def test_single_reduction_not_bool():
-    with pytest.raises(TypeError, match="`single_reduction` must be a bool"):
+    with pytest.raises(TypeError, match="`single_reduction` must be True or False"):
         sx.pcg(poisson_1d, b, single_reduction="yes")
 
 
@@ -136,3 +147,32 @@ class TestTridiagonal:
         s = jnp.ones(())
         with pytest.raises(ValueError, match="leading system axis"):
             sx.tridiagonal_solve(s, s, s, s)
+
+
+def test_a_zero_start_vector_for_the_spectrum_is_refused():
+    """`estimate_spectrum(matvec, zeros)` returned (nan, nan) silently."""
+    with pytest.raises(ValueError, match="`v` must be a nonzero start vector"):
+        sx.estimate_spectrum(poisson_1d, jnp.zeros(8))
+    lo, hi = sx.estimate_spectrum(poisson_1d, jnp.ones(8).at[0].set(2.0), steps=8)
+    assert 0 < float(lo) <= float(hi) <= 4  # the 1-D Laplacian's spectrum lies in (0, 4)
+
+
+def test_half_precision_bands_are_refused_clearly():
+    """bfloat16 bands with method='auto' raised NotImplementedError inside XLA."""
+    o = jnp.ones(6, jnp.bfloat16)
+    with pytest.raises(TypeError, match="`lower` is bfloat16; .* float32 or wider"):
+        sx.tridiagonal_solve(o, 4 * o, o, o)
+    x = sx.tridiagonal_solve(*(jnp.asarray(a, jnp.float32) for a in (o, 4 * o, o, o)))
+    assert x.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(x)))
+
+
+def test_shard_batch_names_an_input_that_is_not_an_array():
+    """A list of floats gave AttributeError: 'list' object has no attribute 'ndim'."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    m = Mesh(np.array(jax.devices()[:2]), ("i",))
+    f = sx.shard_batch(lambda x: 2 * x, mesh=m, input_rank=1, output_rank=1)
+    with pytest.raises(TypeError, match="input 0 must be an array .* got a list"):
+        f([1.0, 2.0])
+    assert f(jnp.asarray([1.0, 2.0])).tolist() == [2.0, 4.0]

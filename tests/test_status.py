@@ -165,3 +165,15 @@ def test_pcg_exact_steps(method):
     assert bool(sol.converged) and int(sol.iterations) == 3, (method, int(sol.iterations))
     sol = sx.pcg(lambda x: d * x, jnp.ones(30), rtol=1e-12, method=method, max_steps=2)
     assert int(sol.status) == Status.MAX_STEPS and int(sol.iterations) == 2
+
+
+def test_a_traced_invalid_tolerance_is_its_own_status():
+    """A traced negative or NaN `rtol` (concrete ones are refused at trace
+    time) stopped the iteration at once, reported as STAGNATION."""
+    solve = jax.jit(lambda rtol, atol: sx.pcg(poisson_1d, jnp.ones(8), rtol=rtol, atol=atol))
+    for rtol, atol in ((-1.0, 0.0), (jnp.nan, 0.0), (1e-8, -1.0), (1e-8, jnp.nan)):
+        sol = solve(rtol, atol)
+        assert int(sol.status) == Status.INVALID_TOLERANCE, (rtol, atol, sol.message)
+        assert not bool(sol.converged)
+    sol = solve(1e-8, 0.0)  # the valid neighbour, the same program
+    assert int(sol.status) == Status.CONVERGED and bool(sol.converged)

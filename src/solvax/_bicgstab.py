@@ -346,4 +346,5 @@ def bicgstab(
     return _driver.solve(BICGSTAB, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, method=method,
-                         max_steps=max_steps, record_history=bool(record_history))
+                         max_steps=max_steps,
+                         record_history=_checks.check_flag("record_history", record_history))

@@ -466,8 +466,7 @@ def pcg(
     """
     if max_steps is not None:
         _checks.check_int("max_steps", max_steps, 0)
-    if not isinstance(single_reduction, bool):
-        raise TypeError(f"`single_reduction` must be a bool; got {single_reduction!r}.")
+    _checks.check_flag("single_reduction", single_reduction)
     if method is None:
         method = "single_reduction" if single_reduction else "standard"
     _checks.check_choice("method", method, METHODS)
@@ -492,7 +491,7 @@ def pcg(
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, method=method,
                          max_steps=max_steps, residual_replacement=residual_replacement,
-                         record_history=bool(record_history))
+                         record_history=_checks.check_flag("record_history", record_history))
 
 
 def pcg_linear_solve(matvec: Callable[[PyTree], PyTree], b: PyTree, **pcg_options) -> Solution:

@@ -139,6 +139,21 @@ def failures_named(name: str):
                         "shaped like `b`.") from e
 
 
+def check_flag(name: str, value) -> bool:
+    """An option that is a flag takes a bool (any truthy object is not one)."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"`{name}` must be True or False; got {value!r}.")
+    return bool(value)
+
+
+def check_axis_name(value) -> None:
+    """`axis_name`: None, a mesh axis name or a non-empty tuple of them."""
+    names = value if isinstance(value, tuple) else (value,)
+    if value is not None and (not names or not all(isinstance(n, str) for n in names)):
+        raise TypeError("`axis_name` must be the name of a mesh axis (a str, e.g. 'i') or a "
+                        f"tuple of such names, from inside `shard_map`; got {value!r}.")
+
+
 def check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"`{name}` must be one of {', '.join(map(repr, choices))}; "

@@ -280,38 +280,29 @@ def check_inner_product(ip: _reduce.Reduction, b) -> None:
                          "over every entry (e.g. `jnp.sum(jnp.conj(x) * w * y)`).")
 
 
-#: Primitives that name mesh axes without communicating.
-_LOCAL_AXIS_PRIMITIVES = {"pvary", "pcast", "axis_index", "pbroadcast"}
-
-
-def _axes_communicated(jaxpr) -> set:
-    """The mesh axes a jaxpr's collectives (`ppermute`, `psum`, ...) run over."""
-    axes = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name not in _LOCAL_AXIS_PRIMITIVES:
-            for key in ("axis_name", "axes"):
-                names = eqn.params.get(key, ())
-                names = names if isinstance(names, tuple | list) else (names,)
-                axes.update(n for n in names if isinstance(n, str))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    axes |= _axes_communicated(inner)
-    return axes
-
-
-def _check_reduced_over(name: str, op, b, reduced_axes: tuple) -> None:
+def _check_reduced_over(name: str, op, problem: Problem) -> None:
     """An operator that communicates over a mesh axis (a halo exchange inside
     `shard_map`) couples the shards, so the inner products must reduce over
-    that axis too: without `axis_name` every shard would run its own solve."""
-    missing = _axes_communicated(jax.make_jaxpr(op)(b).jaxpr) - set(reduced_axes)
-    if missing:
+    that axis too: otherwise every shard decides convergence on its own piece,
+    the shards' loops run different numbers of steps and the operator's
+    collectives never match (a hang)."""
+    communicated = _reduce.axes_communicated(jax.make_jaxpr(op)(problem.b).jaxpr)
+    missing = communicated - set(problem.ip.reduced_axes())
+    if not missing:
+        return
+    axis = sorted(missing)[0]
+    if isinstance(problem.ip, _reduce.InnerProduct):
         raise ValueError(
             f"`{name}` communicates over the mesh axes {sorted(missing)} (inside `shard_map`), "
             f"but the inner products do not reduce over them: every shard would solve its "
-            f"own piece. Pass `axis_name={sorted(missing)[0]!r}` (or an `InnerProduct` with "
-            "that `axis_name`).")
+            f"own piece. Pass `axis_name={axis!r}` (or an `InnerProduct` with that "
+            "`axis_name`).")
+    raise ValueError(
+        f"`{name}` communicates over the mesh axes {sorted(missing)} (inside `shard_map`), but "
+        f"the callable `inner_product` does not reduce over them: each shard would decide "
+        f"convergence on its own piece and the solve would hang. Sum over the axis in the "
+        f"product, e.g. `lambda x, y: jax.lax.psum(jnp.sum(jnp.conj(x) * y), {axis!r})`, or "
+        f"use the default product with `axis_name={axis!r}`.")
 
 
 def _check_axes_bound(axes: tuple) -> None:
@@ -334,10 +325,9 @@ def solve(method: Method, matvec, b, /, *, x0, precond, rtol, atol, inner_produc
     problem = make_problem(matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                            inner_product=inner_product, axis_name=axis_name)
     problem = problem._replace(data=data)
-    if isinstance(problem.ip, _reduce.InnerProduct):  # a callable product reduces as it likes
-        for name, op in (("matvec", problem.A), ("precond", problem.precond)):
-            if op is not None:
-                _check_reduced_over(name, op, problem.b, problem.ip.reduced_axes())
+    for name, op in (("matvec", problem.A), ("precond", problem.precond)):
+        if op is not None:
+            _check_reduced_over(name, op, problem)
     run = functools.partial(_run_and_finish, method, options)
     # The transposed solve: the same method on A^T, started from zero.
     return implicit_solve(problem, run, lambda p: run(p._replace(x0=None)), failed_derivative)
@@ -399,13 +389,24 @@ def finish(problem: Problem, outcome: Outcome, name: str, scale=None) -> Solutio
     else:
         norm, tol, xnorm = outcome.residual
     if scale is None:
-        return make_solution(outcome.x, outcome.status, outcome.iterations, norm, tol,
-                             history=outcome.history)
+        return _judged_tolerances(problem, make_solution(
+            outcome.x, outcome.status, outcome.iterations, norm, tol, history=outcome.history))
     # decided in the scaled problem, where the norms neither under- nor overflow
     status = jnp.where(jnp.isfinite(scale * xnorm), outcome.status, code(Status.NONFINITE))
     sol = make_solution(tree.scale(scale, outcome.x), status, outcome.iterations, norm, tol,
                         history=None if outcome.history is None else scale * outcome.history)
-    return sol._replace(residual_norm=scale * norm)
+    return _judged_tolerances(problem, sol._replace(residual_norm=scale * norm))
+
+
+def _judged_tolerances(problem: Problem, sol: Solution) -> Solution:
+    """`INVALID_TOLERANCE` where a traced `rtol` or `atol` is negative or NaN
+    (concrete ones are refused at trace time): the iteration stopped at once on
+    its NaN or negative threshold, which is not a stagnation. (`atol` may be
+    infinite here: the scaled problem's `atol / s` can overflow.)"""
+    rtol, atol = problem.tolerances()
+    invalid = ~(rtol >= 0) | ~(atol >= 0) | (rtol == jnp.inf)
+    status = jnp.where(invalid, code(Status.INVALID_TOLERANCE), sol.status)
+    return sol._replace(status=status, converged=status == code(Status.CONVERGED))
 
 
 # ----------------------------------------------------------- differentiation

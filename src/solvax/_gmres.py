@@ -572,4 +572,4 @@ def gmres(
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, restart=int(restart),
                          max_restarts=max_restarts, orthogonalization=orthogonalization,
-                         record_history=bool(record_history))
+                         record_history=_checks.check_flag("record_history", record_history))

@@ -331,4 +331,5 @@ def idrs(
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, s=int(s), seed=_seed_of(key),
                          angle=float(angle),
-                         max_steps=max_steps, record_history=bool(record_history))
+                         max_steps=max_steps,
+                         record_history=_checks.check_flag("record_history", record_history))

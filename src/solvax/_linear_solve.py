@@ -79,8 +79,7 @@ def linear_solve(
     for name, fn in (("solver", solver), ("transpose_solver", transpose_solver)):
         if (fn is not None or name == "solver") and not callable(fn):
             raise TypeError(f"`{name}` must be a function `(matvec, b) -> x`; got {fn!r}.")
-    if not isinstance(symmetric, bool):
-        raise TypeError(f"`symmetric` must be a bool; got {symmetric!r}.")
+    _checks.check_flag("symmetric", symmetric)
     _checks.check_choice("failed_derivative", failed_derivative, FAILED_DERIVATIVES)
     problem = make_problem(matvec, b)
     A = problem.A

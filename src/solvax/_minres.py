@@ -282,4 +282,4 @@ def minres(
     return _driver.solve(MINRES, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, max_steps=max_steps,
-                         record_history=bool(record_history))
+                         record_history=_checks.check_flag("record_history", record_history))

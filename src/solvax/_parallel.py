@@ -113,6 +113,10 @@ def shard_batch(
             raise ValueError(f"`input_rank` gives {len(in_ranks)} ranks but the function was "
                              f"called with {len(args)} inputs.")
         for k, (arg, r) in enumerate(zip(args, ranks)):
+            if not hasattr(arg, "ndim") or not hasattr(arg, "dtype"):
+                raise TypeError(f"input {k} must be an array (its batch axis is split over "
+                                f"the mesh); got a {type(arg).__name__}. Convert it with "
+                                "`jnp.asarray`.")
             if arg.ndim != r:
                 raise ValueError(f"input {k} has rank {arg.ndim}; `input_rank` says {r}.")
         in_specs = tuple(_spec(r, input_batch_axis, axis_name, "input_batch_axis")

@@ -144,7 +144,8 @@ def estimate_spectrum(matvec: Callable[[PyTree], PyTree], v: PyTree, *, steps: i
         `(lmin_ritz, lmax_ritz)` as real scalars.
 
     Raises:
-        ValueError: `steps < 1`.
+        ValueError: `steps < 1`, or a concrete `v` that is zero or not finite
+            (a traced one gives `(nan, nan)`: no spectrum can be estimated).
 
     Reference: C. Lanczos, J. Res. Nat. Bur. Standards 45 (1950).
     """
@@ -152,7 +153,11 @@ def estimate_spectrum(matvec: Callable[[PyTree], PyTree], v: PyTree, *, steps: i
     _checks.check_vector("v", v)
     ip = _reduce.resolve(inner_product, axis_name)
     real = jnp.finfo(tree.result_dtype(v)).dtype
-    v = tree.scale(1 / ip.norm(v), v)
+    norm = ip.norm(v)
+    if not isinstance(norm, jax.core.Tracer) and not float(norm) > 0:
+        raise ValueError(f"`v` must be a nonzero start vector with finite entries; its norm "
+                         f"is {float(norm)}. Pass e.g. the right-hand side or a random vector.")
+    v = tree.scale(1 / norm, v)
 
     def step(k, carry):
         v, v_prev, beta_prev, alphas, betas, alive = carry

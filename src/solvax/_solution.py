@@ -22,6 +22,7 @@ class Status(enum.IntEnum):
     BREAKDOWN = 3
     NONFINITE = 4
     STAGNATION = 5
+    INVALID_TOLERANCE = 6
 
     @property
     def message(self) -> str:
@@ -48,6 +49,9 @@ _MESSAGES = {
     "restarts stopped decreasing it, or it reached its rounding level); loosen `rtol`/`atol`, "
     "precondition or (GMRES) raise `restart`; a residual that stays well above the tolerance "
     "can also mean a singular operator and an inconsistent system",
+    Status.INVALID_TOLERANCE: "not solved: a tolerance passed as a traced value was negative "
+    "or NaN (`rtol` and `atol` must be finite and >= 0; concrete ones are refused when the "
+    "solve is traced)",
 }
 
 

@@ -366,4 +366,4 @@ def solve(matvec, b, *, x0, precond, rtol, atol, max_steps, s, basis, spectrum,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, data=data, s=s, basis=basis,
                          max_steps=max_steps, residual_replacement=residual_replacement,
-                         record_history=bool(record_history))
+                         record_history=_checks.check_flag("record_history", record_history))

@@ -194,7 +194,8 @@ def measure(devices: int, n: int = 512, cases: list[str] | None = None) -> list[
 
 
 def format_table(rows: list[Row]) -> str:
-    header = ("case", "devices", "primal", "adjoint", "per step", "all-gathers", "bytes/step")
+    header = ("case", "devices", "primal", "adjoint", "per step", "all-gathers (p+a)",
+              "bytes/step")
     body = [(r.case, str(r.devices), str(r.primal), str(r.adjoint), str(r.per_step),
              str(r.all_gathers), str(r.bytes_per_step)) for r in rows]
     width = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
@@ -213,4 +214,5 @@ MEANING = ("Collective instructions in the optimized HLO (async pairs once): 'pr
            "solve, 'adjoint' = jax.grad of sum(x**2); 'per step' = synchronization points in one "
            "CG/BiCGStab iteration, Arnoldi/Lanczos step, IDR(s) cycle of s + 1 matvecs or s-step "
            "CG outer step of s iterations (so 1/s per CG iteration), "
+           "'all-gathers (p+a)' = those of the primal and the adjoint together, "
            "'bytes/step' = what they move.")

@@ -107,6 +107,11 @@ def solver_for(method: str, dtype, rows: int):
 def _check_bands(lower, diag, upper, rhs):
     for name, band in (("lower", lower), ("diag", diag), ("upper", upper), ("rhs", rhs)):
         _checks.check_vector(name, band)
+        if jnp.finfo(band.dtype).bits < 32:
+            raise TypeError(f"`{name}` is {jnp.dtype(band.dtype).name}; the tridiagonal "
+                            "solves need float32 or wider (XLA has no 16-bit tridiagonal "
+                            f"solve, and elimination in 16 bits loses most digits). Cast it, "
+                            f"e.g. `{name}.astype(jnp.float32)`.")
     shapes = {name: tuple(band.shape) for name, band in
               (("lower", lower), ("diag", diag), ("upper", upper))}
     if len(set(shapes.values())) != 1:
