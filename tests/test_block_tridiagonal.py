@@ -10,6 +10,12 @@ from jax.sharding import PartitionSpec as P
 
 import solvax as sx
 
+# The solves jitted once per shape: called eagerly, their elimination runs op
+# by op (each op compiled on first use), which cost most of this file's time.
+block_solve = jax.jit(sx.block_tridiagonal_solve)
+banded = jax.jit(sx.banded_solve, static_argnames=("lower_bandwidth", "upper_bandwidth",
+                                                   "periodic"))
+
 
 def blocks(n, m, seed=0, dtype=np.float64, dominance=3.0):
     """Random block-diagonally dominant blocks `(lower, diag, upper)` of `(n, m, m)`."""
@@ -51,7 +57,7 @@ def test_matches_dense(dtype, m, rhs_tail):
     n = 9
     lower, diag, upper = blocks(n, m, dtype=dtype)
     rhs = np.random.default_rng(1).standard_normal((n, m, *rhs_tail)).astype(dtype)
-    x = sx.block_tridiagonal_solve(lower, diag, upper, rhs)
+    x = block_solve(lower, diag, upper, rhs)
     assert x.shape == rhs.shape and x.dtype == dtype
     single = np.dtype(dtype) in (np.float32, np.complex64)
     ref = dense_solve(*(a.astype(np.complex128) for a in (lower, diag, upper, rhs)))
@@ -61,11 +67,11 @@ def test_matches_dense(dtype, m, rhs_tail):
 def test_unused_blocks_are_unused():
     lower, diag, upper = blocks(6, 3)
     rhs = np.ones((6, 3))
-    x = sx.block_tridiagonal_solve(lower, diag, upper, rhs)
+    x = block_solve(lower, diag, upper, rhs)
     lower[0], upper[-1] = np.nan, np.inf
-    y = sx.block_tridiagonal_solve(lower, diag, upper, rhs)
+    y = block_solve(lower, diag, upper, rhs)
     assert np.array_equal(np.asarray(x), np.asarray(y))
-    g = jax.grad(lambda lo, up: jnp.sum(sx.block_tridiagonal_solve(lo, diag, up, rhs) ** 2),
+    g = jax.grad(lambda lo, up: jnp.sum(block_solve(lo, diag, up, rhs) ** 2),
                  argnums=(0, 1))(*blocks(6, 3)[::2])
     assert np.all(np.asarray(g[0][0]) == 0) and np.all(np.asarray(g[1][-1]) == 0)
 
@@ -77,7 +83,7 @@ def test_needs_pivoting_within_a_block():
     lower *= 0.1
     upper *= 0.1
     rhs = np.arange(10.0).reshape(5, 2)
-    x = sx.block_tridiagonal_solve(lower, diag, upper, rhs)
+    x = block_solve(lower, diag, upper, rhs)
     assert rel_err(x, dense_solve(lower, diag, upper, rhs)) < 1e-12
 
 
@@ -92,12 +98,12 @@ def test_gradients_match_dense(dtype):
     def loss(solve):
         return lambda *a: jnp.sum(jnp.abs(solve(*a)) ** 2)
 
-    g = jax.grad(loss(sx.block_tridiagonal_solve), argnums=(0, 1, 2, 3))(*args)
-    ref = jax.grad(loss(dense_solve), argnums=(0, 1, 2, 3))(*args)
+    g = jax.jit(jax.grad(loss(sx.block_tridiagonal_solve), argnums=(0, 1, 2, 3)))(*args)
+    ref = jax.jit(jax.grad(loss(dense_solve), argnums=(0, 1, 2, 3)))(*args)
     for a, b in zip(g, ref):
         assert float(jnp.max(jnp.abs(a - b))) < 1e-10 * max(1.0, float(jnp.max(jnp.abs(b))))
     tangents = tuple(jnp.ones_like(a) for a in args)
-    _, t = jax.jvp(sx.block_tridiagonal_solve, args, tangents)
+    _, t = jax.jit(lambda a, t: jax.jvp(sx.block_tridiagonal_solve, a, t))(args, tangents)
     _, t_ref = jax.jvp(dense_solve, args, tangents)
     assert rel_err(t, t_ref) < 1e-10
 
@@ -111,8 +117,8 @@ def test_factor_once_solve_many():
         rhs = np.random.default_rng(seed).standard_normal((8, 4))
         assert rel_err(solve(f, rhs), dense_solve(lower, diag, upper, rhs)) < 1e-13
     # differentiable through the factors to the blocks
-    g = jax.grad(lambda d: jnp.sum(sx.block_tridiagonal_solve_factored(
-        sx.block_tridiagonal_factor(lower, d, upper), jnp.ones((8, 4)))))(jnp.asarray(diag))
+    g = jax.jit(jax.grad(lambda d: jnp.sum(sx.block_tridiagonal_solve_factored(
+        sx.block_tridiagonal_factor(lower, d, upper), jnp.ones((8, 4))))))(jnp.asarray(diag))
     g_ref = jax.grad(lambda d: jnp.sum(dense_solve(lower, d, upper, jnp.ones((8, 4)))))(
         jnp.asarray(diag))
     assert rel_err(g, g_ref) < 1e-10
@@ -133,7 +139,7 @@ def test_singular_pivot_block_gives_nonfinite():
     lower, diag, upper = blocks(4, 2)
     diag[2] = 0.0
     lower[2] = 0.0
-    x = np.asarray(sx.block_tridiagonal_solve(lower, diag, upper, np.ones((4, 2))))
+    x = np.asarray(block_solve(lower, diag, upper, np.ones((4, 2))))
     assert not np.all(np.isfinite(x))
 
 
@@ -159,7 +165,7 @@ def test_banded_matches_scipy(l, u, n):
     ab = rng.standard_normal((l + u + 1, n))
     ab[u] += 3.0 * (l + u + 1)  # diagonally dominant
     b = rng.standard_normal((n, 2))
-    x = sx.banded_solve(ab, b, lower_bandwidth=l, upper_bandwidth=u)
+    x = banded(ab, b, lower_bandwidth=l, upper_bandwidth=u)
     assert rel_err(x, sl.solve_banded((l, u), ab, b)) < 1e-12
 
 
@@ -169,7 +175,7 @@ def test_banded_complex_and_gradient():
     ab = (rng.standard_normal((l + u + 1, n)) + 1j * rng.standard_normal((l + u + 1, n)))
     ab[u] += 8.0
     b = rng.standard_normal(n) + 0j
-    x = sx.banded_solve(ab, b, lower_bandwidth=l, upper_bandwidth=u)
+    x = banded(ab, b, lower_bandwidth=l, upper_bandwidth=u)
     assert rel_err(x, sl.solve_banded((l, u), ab, b)) < 1e-12
 
     def dense_of(ab):
@@ -179,10 +185,10 @@ def test_banded_complex_and_gradient():
                 A = A.at[i, j].set(ab[u + i - j, j])
         return A
 
-    loss = lambda ab: jnp.sum(jnp.abs(sx.banded_solve(  # noqa: E731
+    loss = lambda ab: jnp.sum(jnp.abs(banded(  # noqa: E731
         ab, b, lower_bandwidth=l, upper_bandwidth=u)) ** 2)
     ref = lambda ab: jnp.sum(jnp.abs(jnp.linalg.solve(dense_of(ab), b)) ** 2)  # noqa: E731
-    g, g_ref = jax.grad(loss)(jnp.asarray(ab)), jax.grad(ref)(jnp.asarray(ab))
+    g, g_ref = jax.jit(jax.grad(loss))(jnp.asarray(ab)), jax.grad(ref)(jnp.asarray(ab))
     # entries outside the matrix (ab[u + i - j, j] with i out of range) are unused: 0
     assert float(jnp.max(jnp.abs(g - g_ref))) < 1e-10
 
@@ -208,7 +214,7 @@ def test_cyclic_matches_dense_and_differentiates(dtype):
     n, m = 7, 3
     lower, diag, upper = (jnp.asarray(a) for a in blocks(n, m, seed=8, dtype=dtype))
     rhs = jnp.asarray(np.random.default_rng(8).standard_normal((n, m, 2)).astype(dtype))
-    x = sx.cyclic_block_tridiagonal_solve(lower, diag, upper, rhs)
+    x = jax.jit(sx.cyclic_block_tridiagonal_solve)(lower, diag, upper, rhs)
     ref = jnp.linalg.solve(dense_cyclic(lower, diag, upper), rhs.reshape(n * m, 2))
     assert rel_err(x, ref.reshape(n, m, 2)) < 1e-13
 
@@ -218,9 +224,10 @@ def test_cyclic_matches_dense_and_differentiates(dtype):
     def dense_solve_cyclic(lo, d, up, r):
         return jnp.linalg.solve(dense_cyclic(lo, d, up), r.reshape(n * m, -1))
 
-    g = jax.grad(loss(sx.cyclic_block_tridiagonal_solve), argnums=(0, 1, 2, 3))(
+    g = jax.jit(jax.grad(loss(sx.cyclic_block_tridiagonal_solve), argnums=(0, 1, 2, 3)))(
         lower, diag, upper, rhs)
-    g_ref = jax.grad(loss(dense_solve_cyclic), argnums=(0, 1, 2, 3))(lower, diag, upper, rhs)
+    g_ref = jax.jit(jax.grad(loss(dense_solve_cyclic), argnums=(0, 1, 2, 3)))(
+        lower, diag, upper, rhs)
     for a, b in zip(g, g_ref):
         assert rel_err(a, b) < 1e-10
 
@@ -252,7 +259,7 @@ def test_partitioned_matches_single_device(ndev, rhs_tail):
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     assert sx.count_collectives(grad, *args).by_kind == {"all-gather": 2}
     g = grad(*args)
-    g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(sx.block_tridiagonal_solve(*a) ** 2),
+    g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(block_solve(*a) ** 2),
                              argnums=(0, 1, 2, 3)))(L, D, U, r)
     for a, b in zip(g, g_ref):
         assert rel_err(a, b) < 1e-10
@@ -308,11 +315,13 @@ def test_periodic_banded_matches_dense(l, u, n):
         for d in range(-l, u + 1):
             A[i, (i + d) % n] += ab[u - d, (i + d) % n]
     b = rng.standard_normal(n)
-    x = sx.banded_solve(ab, b, lower_bandwidth=l, upper_bandwidth=u, periodic=True)
+    def solve(ab):
+        return banded(ab, b, lower_bandwidth=l, upper_bandwidth=u, periodic=True)
+
+    x, g = jax.jit(lambda ab: (solve(ab), jax.grad(lambda ab: jnp.sum(solve(ab) ** 2))(ab)))(
+        jnp.asarray(ab))
     assert rel_err(x, np.linalg.solve(A, b)) < 1e-12
-    g = jax.grad(lambda ab: jnp.sum(sx.banded_solve(ab, b, lower_bandwidth=l,
-                                                    upper_bandwidth=u, periodic=True) ** 2))
-    assert np.all(np.isfinite(np.asarray(g(jnp.asarray(ab)))))
+    assert np.all(np.isfinite(np.asarray(g)))
     with pytest.raises(ValueError, match="multiple of"):
-        sx.banded_solve(np.ones((5, 7)), np.ones(7), lower_bandwidth=2, upper_bandwidth=2,
+        banded(np.ones((5, 7)), np.ones(7), lower_bandwidth=2, upper_bandwidth=2,
                         periodic=True)

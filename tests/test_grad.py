@@ -9,11 +9,13 @@ from helpers import (
     GENERAL_SOLVERS,
     KRYLOV,
     SPD_SOLVERS,
+    WITH_WRAPPERS,
     dense_tridiagonal,
     random_nonsymmetric,
     rel_err,
     rhs,
 )
+from matrix import levels
 
 import solvax as sx
 
@@ -44,8 +46,11 @@ def general_dense(theta):
     return jnp.asarray(random_nonsymmetric(N)) + jnp.diag(theta)
 
 
-CASES = [(name, spd_operator, spd_dense) for name in SPD_SOLVERS] + [
-    (name, general_operator, general_dense) for name in GENERAL_SOLVERS]
+# one variant per method module and the `linear_solve` wrappers (every
+# variant with SOLVAX_TEST_MATRIX=full)
+CASES = [(name, spd_operator, spd_dense) for name in levels(SPD_SOLVERS, WITH_WRAPPERS)] + [
+    (name, general_operator, general_dense)
+    for name in levels(GENERAL_SOLVERS, WITH_WRAPPERS)]
 
 
 def loss_of(solve, op):
@@ -79,7 +84,8 @@ def test_jvp_matches_dense(name, op, dense):
     theta = jnp.linspace(0.5, 1.5, N)
     b = rhs(N)
     dtheta, db = rhs(N, seed=7), rhs(N, seed=8)
-    _, t = jax.jvp(loss_of(KRYLOV[name], op), (theta, b), (dtheta, db))
+    _, t = jax.jit(lambda p, t: jax.jvp(loss_of(KRYLOV[name], op), p, t))((theta, b),
+                                                                          (dtheta, db))
     _, t_ref = jax.jvp(dense_loss_of(dense), (theta, b), (dtheta, db))
     assert abs(float(t) - float(t_ref)) < 1e-8 * max(1.0, abs(float(t_ref)))
 
@@ -87,7 +93,7 @@ def test_jvp_matches_dense(name, op, dense):
 @pytest.mark.parametrize("name", ["pcg", "pcg_single_reduction", "gmres"])
 def test_grad_matches_finite_differences(name):
     op = spd_operator
-    loss = loss_of(KRYLOV[name], op)
+    loss = jax.jit(loss_of(KRYLOV[name], op))
     theta = jnp.linspace(0.5, 1.5, N)
     b = rhs(N)
     g_theta, g_b = jax.grad(loss, argnums=(0, 1))(theta, b)
@@ -131,8 +137,8 @@ def test_grad_pytree_and_vmap():
         return jnp.sum(x["a"] ** 2) + jnp.sum(x["b"] ** 3)
 
     scales = jnp.array([0.5, 1.0, 2.0])
-    g = jax.vmap(jax.grad(loss), in_axes=(0, None))(scales, b)
-    eps = 1e-6
+    g = jax.jit(jax.vmap(jax.grad(loss), in_axes=(0, None)))(scales, b)
+    eps, loss = 1e-6, jax.jit(loss)
     fd = jnp.array([(loss(s + eps, b) - loss(s - eps, b)) / (2 * eps) for s in scales])
     assert rel_err(g, fd) < 1e-6
 
@@ -231,11 +237,11 @@ def test_vmap_grad_with_batched_options(solve):
                      inner_product=sx.InnerProduct(weight=jnp.full(N, 1 + s)), x0=b * s).x
 
     S, B = jnp.array([0.5, 1.0, 2.0]), jnp.stack([rhs(N, seed=i) for i in range(3)])
-    X = jax.vmap(f)(S, B)
+    X = jax.jit(jax.vmap(f))(S, B)
     for s, b, x in zip(S, B, X):
         assert rel_err(x, jnp.linalg.solve(A + s * jnp.eye(N), b)) < 1e-10
-    g = jax.vmap(jax.grad(lambda s, b: jnp.sum(f(s, b) ** 2)))(S, B)
-    eps = 1e-6
+    g = jax.jit(jax.vmap(jax.grad(lambda s, b: jnp.sum(f(s, b) ** 2))))(S, B)
+    eps, f = 1e-6, jax.jit(f)
     fd = jnp.array([(jnp.sum(f(s + eps, b) ** 2) - jnp.sum(f(s - eps, b) ** 2)) / (2 * eps)
                     for s, b in zip(S, B)])
     assert rel_err(g, fd) < 1e-6

@@ -183,8 +183,8 @@ def test_mixed_precision_pytree_under_strict_promotion(name):
         return jax.tree_util.tree_map(lambda v: 3 * v - jnp.roll(v, 1) - jnp.roll(v, -1), x)
 
     with jax.numpy_dtype_promotion("strict"):
-        sol = SOLVERS[name].solve(matvec, b)
-        g = jax.grad(lambda b: jnp.sum(SOLVERS[name].solve(matvec, b).x["b"] ** 2))(b)
+        sol, g = jax.jit(lambda b: (SOLVERS[name].solve(matvec, b), jax.grad(
+            lambda b: jnp.sum(SOLVERS[name].solve(matvec, b).x["b"] ** 2))(b)))(b)
     assert bool(sol.converged)
     assert sol.x["a"].dtype == jnp.float32 and sol.x["b"].dtype == jnp.float64
     assert g["a"].dtype == jnp.float32 and np.all(np.isfinite(np.asarray(g["b"])))
@@ -321,11 +321,11 @@ def _nestings(f, sm, loss):
     }
 
 
-# Every variant and every nesting, sampled: each variant in one nesting and
-# each nesting for at least two variants (all of them with
-# SOLVAX_TEST_MATRIX=full); the nesting that once failed for every variant is
-# test_sharding.py's shard_map grad check.
-NESTING_CASES = sample("nesting", strength=1, name=DISTINCT,
+# Every nesting for one variant per method module, sampled: each of them in
+# one nesting and each nesting at least once (every variant in every nesting
+# with SOLVAX_TEST_MATRIX=full); the nesting that once failed, for every
+# variant, is test_sharding.py's shard_map grad check.
+NESTING_CASES = sample("nesting", strength=1, name=levels(DISTINCT, REPRESENTATIVE),
                        nesting=list(_nestings(None, None, lambda g: g)))
 @pytest.mark.parametrize("name, nesting", NESTING_CASES)
 def test_every_nesting_of_transformations(name, nesting):

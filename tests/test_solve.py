@@ -11,6 +11,7 @@ from helpers import (
     REPRESENTATIVE,
     SOLVERS,
     SPD_SOLVERS,
+    WITH_WRAPPERS,
     dense_of,
     laplacian_1d,
     poisson_1d,
@@ -114,7 +115,7 @@ def _tree_problem():
     return matvec, b, ref
 
 
-@pytest.mark.parametrize("name", SPD_SOLVERS)
+@pytest.mark.parametrize("name", levels(SPD_SOLVERS, WITH_WRAPPERS))
 def test_pytree_rhs(name):
     matvec, b, ref = _tree_problem()
     sol = KRYLOV[name](matvec, b, rtol=1e-10)
@@ -123,7 +124,7 @@ def test_pytree_rhs(name):
     assert tree_rel_err(sol.x, ref) < 1e-7
 
 
-@pytest.mark.parametrize("name", SPD_SOLVERS)
+@pytest.mark.parametrize("name", levels(SPD_SOLVERS, WITH_WRAPPERS))
 def test_x0_and_preconditioner(name):
     n = 50
     diag = 2.0 + np.arange(n)
@@ -150,7 +151,7 @@ def test_flexible_gmres_with_varying_preconditioner():
     check(sol, np.linalg.solve(A, b), np.float64)
 
 
-@pytest.mark.parametrize("name", SPD_SOLVERS)
+@pytest.mark.parametrize("name", levels(SPD_SOLVERS, WITH_WRAPPERS))
 def test_vmap_over_rhs(name):
     n = 20
     B = jnp.stack([rhs(n, seed=s) for s in range(4)])

@@ -341,10 +341,11 @@ def _run_and_finish(method: Method, options: dict, problem: Problem):
     scale = problem.ip.power_of_two_scale(problem.b)
     if scale is None:  # a callable inner product: no rescaling
         outcome = method.run(problem, **options)
-        return finish(problem, outcome, method.name), _ok(outcome)
+        return _judged_tolerances(problem, finish(problem, outcome, method.name)), _ok(outcome)
     scaled = _scaled(problem, scale)
     outcome = method.run(scaled, **options)
-    return finish(scaled, outcome, method.name, scale), _ok(outcome)
+    sol = finish(scaled, outcome, method.name, scale)
+    return _judged_tolerances(problem, sol), _ok(outcome)
 
 
 def _ok(outcome: Outcome) -> jax.Array:
@@ -389,22 +390,22 @@ def finish(problem: Problem, outcome: Outcome, name: str, scale=None) -> Solutio
     else:
         norm, tol, xnorm = outcome.residual
     if scale is None:
-        return _judged_tolerances(problem, make_solution(
-            outcome.x, outcome.status, outcome.iterations, norm, tol, history=outcome.history))
+        return make_solution(outcome.x, outcome.status, outcome.iterations, norm, tol,
+                             history=outcome.history)
     # decided in the scaled problem, where the norms neither under- nor overflow
     status = jnp.where(jnp.isfinite(scale * xnorm), outcome.status, code(Status.NONFINITE))
     sol = make_solution(tree.scale(scale, outcome.x), status, outcome.iterations, norm, tol,
                         history=None if outcome.history is None else scale * outcome.history)
-    return _judged_tolerances(problem, sol._replace(residual_norm=scale * norm))
+    return sol._replace(residual_norm=scale * norm)
 
 
 def _judged_tolerances(problem: Problem, sol: Solution) -> Solution:
-    """`INVALID_TOLERANCE` where a traced `rtol` or `atol` is negative or NaN
-    (concrete ones are refused at trace time): the iteration stopped at once on
-    its NaN or negative threshold, which is not a stagnation. (`atol` may be
-    infinite here: the scaled problem's `atol / s` can overflow.)"""
+    """`INVALID_TOLERANCE` where a traced `rtol` or `atol` of the (unscaled)
+    problem is negative or NaN (concrete ones are refused at trace time): the
+    iteration stopped at once on its NaN or negative threshold, which is not a
+    stagnation."""
     rtol, atol = problem.tolerances()
-    invalid = ~(rtol >= 0) | ~(atol >= 0) | (rtol == jnp.inf)
+    invalid = ~(rtol >= 0) | ~(atol >= 0) | (rtol == jnp.inf) | (atol == jnp.inf)
     status = jnp.where(invalid, code(Status.INVALID_TOLERANCE), sol.status)
     return sol._replace(status=status, converged=status == code(Status.CONVERGED))
 
