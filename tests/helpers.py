@@ -49,6 +49,19 @@ def poisson_2d(x):
     return 4 * x - xp[:-2, 1:-1] - xp[2:, 1:-1] - xp[1:-1, :-2] - xp[1:-1, 2:]
 
 
+def halo_laplacian(x):
+    """Dirichlet 1-D Laplacian (+0.1 I) on one shard of 8 (inside `shard_map`
+    over 'i'), neighbours exchanged with `ppermute`: the dense matrix is
+    `laplacian_1d(n) + 0.1 I`."""
+    idx = jax.lax.axis_index("i")
+    left = jax.lax.ppermute(x[-1:], "i", [(k, (k + 1) % 8) for k in range(8)])
+    right = jax.lax.ppermute(x[:1], "i", [(k, (k - 1) % 8) for k in range(8)])
+    left = jnp.where(idx == 0, 0.0, left)
+    right = jnp.where(idx == 7, 0.0, right)
+    xp = jnp.concatenate([left, x, right])  # the halo of a shard, not a solver vector
+    return 2.1 * x - xp[:-2] - xp[2:]
+
+
 def dense_of(matvec, shape, dtype=np.float64) -> np.ndarray:
     """The dense matrix of a matvec on arrays of `shape` (row-major order)."""
     n = int(np.prod(shape))

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import REPRESENTATIVE, SOLVERS, laplacian_1d, mesh, put, rel_err, rhs
+from helpers import REPRESENTATIVE, SOLVERS, halo_laplacian, laplacian_1d, mesh, put, rel_err, rhs
 from jax import lax
 from jax.sharding import PartitionSpec as P
 from matrix import levels
@@ -24,20 +24,10 @@ N = 64
 DENSE = laplacian_1d(N) + 0.1 * np.eye(N)
 
 
-def _local_laplacian(x):
-    """Dirichlet 1-D Laplacian (+0.1 I) on one shard of 8, halos by `ppermute`."""
-    idx = lax.axis_index("i")
-    left = lax.ppermute(x[-1:], "i", [(k, (k + 1) % 8) for k in range(8)])
-    right = lax.ppermute(x[:1], "i", [(k, (k - 1) % 8) for k in range(8)])
-    left = jnp.where(idx == 0, 0.0, left)
-    right = jnp.where(idx == 7, 0.0, right)
-    xp = jnp.concatenate([left, x, right])  # the halo of a shard, not a solver vector
-    return 2.1 * x - xp[:-2] - xp[2:]
-
 
 def halo_operator(m):
     """Global arrays in and out; the halo exchange inside its own `shard_map`."""
-    return sx.shard_map(_local_laplacian, mesh=m, in_specs=P("i"), out_specs=P("i"))
+    return sx.shard_map(halo_laplacian, mesh=m, in_specs=P("i"), out_specs=P("i"))
 
 
 def sharded_rhs(m, seed=1):
@@ -100,7 +90,7 @@ def test_a_callable_product_that_does_not_reduce_is_refused_not_hung():
 
     for name in ("pcg", "gmres"):
         def run(b, product, solve=SOLVERS[name].solve):
-            return solve(_local_laplacian, b, rtol=1e-10, inner_product=product).x
+            return solve(halo_laplacian, b, rtol=1e-10, inner_product=product).x
 
         with pytest.raises(ValueError, match=r"callable `inner_product` does not reduce"):
             _inside_shard_map(m, lambda b, run=run: run(b, local_product))(b)

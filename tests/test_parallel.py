@@ -9,12 +9,12 @@ from helpers import (
     REPRESENTATIVE,
     SOLVERS,
     count_primitives,
+    halo_laplacian,
     laplacian_1d,
     mesh,
     put,
     rel_err,
 )
-from jax import lax
 from jax.sharding import PartitionSpec as P
 from matrix import levels
 
@@ -22,17 +22,6 @@ import solvax as sx
 
 N = 128
 
-
-def halo_laplacian(x):
-    """Dirichlet 1-D Laplacian on a shard; neighbours exchanged with `ppermute`."""
-    ndev = 8
-    idx = lax.axis_index("i")
-    left = lax.ppermute(x[-1:], "i", [(k, (k + 1) % 8) for k in range(8)])
-    right = lax.ppermute(x[:1], "i", [(k, (k - 1) % 8) for k in range(8)])
-    left = jnp.where(idx == 0, 0.0, left)
-    right = jnp.where(idx == ndev - 1, 0.0, right)
-    xp = jnp.concatenate([left, x, right])  # the halo of a shard, not a solver vector
-    return 2 * x - xp[:-2] - xp[2:] + 0.1 * x
 
 
 def global_laplacian(x):

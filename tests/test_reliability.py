@@ -15,6 +15,7 @@ from helpers import (
     DISTINCT,
     REPRESENTATIVE,
     SOLVERS,
+    halo_laplacian,
     mesh,
     random_nonsymmetric,
     random_spd,
@@ -23,7 +24,6 @@ from helpers import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jax import lax
 from jax.sharding import PartitionSpec as P
 from matrix import examples, levels, sample
 
@@ -297,16 +297,6 @@ def test_hessian_with_respect_to_a_dense_matrix(name):
 
 
 # ------------------------------------------------------------- transformations
-def _halo(x):
-    """Dirichlet 1-D Laplacian (+0.1 I) on a shard, neighbours by `ppermute`."""
-    idx = lax.axis_index("i")
-    left = lax.ppermute(x[-1:], "i", [(k, (k + 1) % 8) for k in range(8)])
-    right = lax.ppermute(x[:1], "i", [(k, (k - 1) % 8) for k in range(8)])
-    left = jnp.where(idx == 0, 0.0, left)
-    right = jnp.where(idx == 7, 0.0, right)
-    xp = jnp.concatenate([left, x, right])  # the halo of a shard, not a solver vector
-    return 2.1 * x - xp[:-2] - xp[2:]
-
 
 def _nestings(f, sm, loss):
     return {
@@ -336,7 +326,7 @@ def test_every_nesting_of_transformations(name, nesting):
     dense = 2.1 * np.eye(n) - np.eye(n, k=1) - np.eye(n, k=-1)
 
     def f(b):
-        return SOLVERS[name].solve(_halo, b, axis_name="i", rtol=1e-10).x
+        return SOLVERS[name].solve(halo_laplacian, b, axis_name="i", rtol=1e-10).x
 
     sm = sx.shard_map(f, mesh=mesh(8), in_specs=P("i"), out_specs=P("i"))
 
@@ -470,7 +460,7 @@ def test_bicgstab_breakdown_is_reported():
 def test_a_coupled_solve_inside_shard_map_needs_axis_name():
     """The matvec exchanges halos over 'i' but no `axis_name` was given: the
     reductions would be local, each shard solving its own piece."""
-    f = sx.shard_map(lambda b: sx.pcg(_halo, b).x, mesh=mesh(8), in_specs=P("i"),
+    f = sx.shard_map(lambda b: sx.pcg(halo_laplacian, b).x, mesh=mesh(8), in_specs=P("i"),
                      out_specs=P("i"))
     with pytest.raises(ValueError, match=r"`matvec` communicates over the mesh axes \['i'\]"):
         f(jnp.ones(64))
