@@ -341,10 +341,11 @@ def _run_and_finish(method: Method, options: dict, problem: Problem):
     scale = problem.ip.power_of_two_scale(problem.b)
     if scale is None:  # a callable inner product: no rescaling
         outcome = method.run(problem, **options)
-        return _judged_tolerances(problem, finish(problem, outcome, method.name)), _ok(outcome)
-    scaled = _scaled(problem, scale)
-    outcome = method.run(scaled, **options)
-    sol = finish(scaled, outcome, method.name, scale)
+        sol = finish(problem, outcome, method.name)
+    else:
+        scaled = _scaled(problem, scale)
+        outcome = method.run(scaled, **options)
+        sol = finish(scaled, outcome, method.name, scale)
     return _judged_tolerances(problem, sol), _ok(outcome)
 
 
