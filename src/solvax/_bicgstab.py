@@ -8,11 +8,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from . import _checks, _driver, _reduce
+from . import _checks, _driver, _method, _reduce
 from . import _tree as tree
 from ._driver import Outcome, Problem
+from ._method import negligible, nonzero
 from ._solution import RUNNING, Solution, Status, first_status
 
 PyTree = Any
@@ -43,24 +43,9 @@ class _Context(NamedTuple):
     max_steps: int
 
 
-def _nonzero(value):
-    """`value`, with 0 replaced by 1: a division whose result a zero makes
-    unused (the step is flagged as a breakdown instead)."""
-    return jnp.where(value == 0, jnp.ones_like(value), value)
-
-
-def _negligible(product, norm_a, norm_b):
-    """`|<a, b>| <= 10 eps ||a|| ||b||`: zero up to the rounding of the product
-    itself, so dividing by it (or by a coefficient made of it) would amplify
-    rounding, not make progress. (100 eps stopped a float32 Poisson solve that
-    converges.)"""
-    eps = jnp.finfo(norm_a.dtype).eps
-    return jnp.abs(product) <= 10 * eps * norm_a * norm_b
-
-
 def _directions(st: _State, ctx: _Context):
     """`p = r + beta (p - omega v)`, `M p` and `v = A M p`."""
-    ratio = (st.rho / _nonzero(st.rho_prev)) * (st.alpha / _nonzero(st.omega))
+    ratio = (st.rho / nonzero(st.rho_prev)) * (st.alpha / nonzero(st.omega))
     beta = jnp.where(st.k == 0, jnp.zeros_like(ratio), ratio)
     p = tree.axpy(beta, tree.axpy(-st.omega, st.v, st.p), st.r)
     with jax.named_scope("solvax.bicgstab.precond"):
@@ -80,7 +65,7 @@ def _step(st: _State, ctx: _Context) -> _State:
         rv, rr, vv = ctx.ip.multi_dot([(ctx.shadow, v), (st.r, st.r), (v, v)])
     rr, vv = jnp.real(rr), jnp.real(vv)
     history = None if st.history is None else st.history.at[st.k].set(_reduce.real_sqrt(rr))
-    alpha = st.rho / _nonzero(rv)
+    alpha = st.rho / nonzero(rv)
     s = tree.axpy(-alpha, v, st.r)
     with jax.named_scope("solvax.bicgstab.precond"):
         shat = ctx.M(s)
@@ -90,15 +75,15 @@ def _step(st: _State, ctx: _Context) -> _State:
         ts, tt, ss, rs, rt = ctx.ip.multi_dot([(t, s), (t, t), (s, s), (ctx.shadow, s),
                                                (ctx.shadow, t)])
     tt, ss = jnp.real(tt), jnp.real(ss)
-    omega = ts / _nonzero(tt).astype(ts.dtype)
+    omega = ts / nonzero(tt).astype(ts.dtype)
     rho = rs - omega * rt
     done, limit = rr <= ctx.tol2, st.k >= ctx.max_steps
     finite = jnp.isfinite(rr) & jnp.isfinite(jnp.abs(rv)) & jnp.isfinite(ss) & jnp.isfinite(
         jnp.abs(ts))
     half = ss <= ctx.tol2  # s meets the tolerance: x + alpha M p is the answer
     norm = _reduce.real_sqrt
-    lost_alpha = _negligible(rv, ctx.shadow_norm, norm(vv))  # <r0, A M p> ~ 0
-    lost_omega = (tt == 0) | _negligible(ts, norm(tt), norm(ss))  # t orthogonal to s
+    lost_alpha = negligible(rv, ctx.shadow_norm, norm(vv))  # <r0, A M p> ~ 0
+    lost_omega = (tt == 0) | negligible(ts, norm(tt), norm(ss))  # t orthogonal to s
     # rho = <r0, r_next> exactly 0 (a small one is no breakdown yet: in float32
     # it reaches rounding level on problems BiCGStab still solves)
     lost_rho = rho == 0
@@ -119,12 +104,12 @@ def _start(problem: Problem):
     """`(x, r, <r, r>, ||b||^2)`: one setup reduction (the residual's norm is
     the first `rho`: the shadow residual is `r0`)."""
     b = problem.b
+    x, r = problem.residual()
     if problem.x0 is None:
         rr = bb = jnp.real(problem.ip.dot(b, b))
-        return tree.zeros_like(b), b, rr, bb
-    r = tree.sub(b, problem.A(problem.x0))
+        return x, r, rr, bb
     rr, bb = jnp.real(problem.ip.multi_dot([(r, r), (b, b)]))
-    x, r = problem.start_from_x0(r, bb)
+    x, r = problem.settled(x, r, bb)
     return x, r, jnp.where(bb == 0, bb, rr), bb
 
 
@@ -168,20 +153,20 @@ def _one_sync_step(st: _OneSyncState, ctx: _Context) -> _OneSyncState:
     rr, ww, qq, vv = (jnp.real(a) for a in (rr, ww, qq, vv))
     history = None if st.history is None else st.history.at[st.k].set(_reduce.real_sqrt(rr))
     rho = r0r  # measured; the next one (for beta) by the expansion
-    alpha = rho / _nonzero(r0v)
+    alpha = rho / nonzero(r0v)
     a2 = jnp.real(alpha * jnp.conj(alpha))
     ss = jnp.maximum(rr - 2 * jnp.real(alpha * rv) + a2 * vv, 0)
     tt = jnp.maximum(ww - 2 * jnp.real(alpha * wq) + a2 * qq, 0)
     ts = wr - alpha * wv - jnp.conj(alpha) * qr + a2 * qv
-    omega = ts / _nonzero(tt).astype(ts.dtype)
+    omega = ts / nonzero(tt).astype(ts.dtype)
     rho_next = rho - alpha * r0v - omega * (r0w - alpha * r0q)
-    beta = (rho_next / _nonzero(rho)) * (alpha / _nonzero(omega))
+    beta = (rho_next / nonzero(rho)) * (alpha / nonzero(omega))
     done, limit = rr <= ctx.tol2, st.k >= ctx.max_steps
     finite = jnp.isfinite(rr) & jnp.isfinite(jnp.abs(r0v)) & jnp.isfinite(tt) & jnp.isfinite(
         jnp.abs(ts))
     norm = _reduce.real_sqrt
-    lost_alpha = _negligible(r0v, ctx.shadow_norm, norm(vv))
-    lost_omega = (tt == 0) | _negligible(ts, norm(tt), norm(ss))
+    lost_alpha = negligible(r0v, ctx.shadow_norm, norm(vv))
+    lost_omega = (tt == 0) | negligible(ts, norm(tt), norm(ss))
     # The rounding level: <t, t> cancelled down to the rounding of its terms
     # (omega would be noise), or the recursive residual near the rounding of the
     # largest one and not lowered for STALL steps. Past it the recursive residual
@@ -225,13 +210,13 @@ def _run_one_sync(problem: Problem, ctx: _Context, x, r, history) -> Outcome:
     with jax.named_scope("solvax.bicgstab.setup"):
         w = B(r)
         q = B(w)
-    real = jnp.finfo(tree.result_dtype(problem.b)).dtype
+    real = problem.real_dtype()
     state = _OneSyncState(u=tree.zeros_like(r), r=r, p=r, v=w, w=w, q=q,
                           best=jnp.full((), jnp.inf, real), since=jnp.int32(0),
                           peak=jnp.zeros((), real), k=jnp.int32(0),
                           go=jnp.bool_(True), status=jnp.int32(RUNNING), history=history)
-    state = problem.ip.typed_like_results(state, problem.b)
-    state = lax.while_loop(lambda st: st.go, functools.partial(_one_sync_step, ctx=ctx), state)
+    state = _method.while_loop(problem.ip, problem.b, lambda st: st.go,
+                               functools.partial(_one_sync_step, ctx=ctx), state)
     x = tree.add(x, ctx.M(state.u))
     return Outcome(x=x, status=state.status, iterations=state.k, history=state.history)
 
@@ -249,7 +234,7 @@ def _run(problem: Problem, *, method: str, max_steps: int | None,
     rtol, atol = problem.tolerances()
     with jax.named_scope("solvax.bicgstab.setup"):
         x, r, rr, bb = _start(problem)
-    tol2 = jnp.maximum(atol * atol, rtol * rtol * bb)
+    tol2 = _driver.squared_threshold(bb, rtol, atol)
     ctx = _Context(A=problem.A, M=problem.precond or (lambda v: v), ip=problem.ip, shadow=r,
                    shadow_norm=_reduce.real_sqrt(rr), tol2=tol2, max_steps=max_steps)
     if method == "one_sync":
@@ -259,8 +244,8 @@ def _run(problem: Problem, *, method: str, max_steps: int | None,
                    rho_prev=one, alpha=one, omega=one, k=jnp.int32(0), go=jnp.bool_(True),
                    status=jnp.int32(RUNNING), history=problem.history(max_steps + 1,
                                                                       record_history))
-    state = problem.ip.typed_like_results(state, problem.b)
-    state = lax.while_loop(lambda st: st.go, functools.partial(_step, ctx=ctx), state)
+    state = _method.while_loop(problem.ip, problem.b, lambda st: st.go,
+                               functools.partial(_step, ctx=ctx), state)
     return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history)
 
 
@@ -340,11 +325,9 @@ def bicgstab(
     variant of Bi-CG for the solution of nonsymmetric linear systems", SIAM J.
     Sci. Stat. Comput. 13 (1992).
     """
-    if max_steps is not None:
-        _checks.check_int("max_steps", max_steps, 0)
     _checks.check_choice("method", method, METHOD_NAMES)
     return _driver.solve(BICGSTAB, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, method=method,
                          max_steps=max_steps,
-                         record_history=_checks.check_flag("record_history", record_history))
+                         record_history=record_history)

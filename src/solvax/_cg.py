@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _checks, _driver, _reduce, _sstep
+from . import _checks, _driver, _method, _reduce, _sstep
 from . import _tree as tree
 from ._driver import Outcome, Problem
+from ._method import masked_div
 from ._solution import RUNNING, Solution, Status, first_status
 
 PyTree = Any
@@ -56,7 +57,7 @@ class _Pipelined(NamedTuple):
     u: PyTree | None  # M r (None without a preconditioner: u = r)
     q: PyTree | None  # M s (None without a preconditioner: q = s)
     sc: _Scalars
-    checks: _driver.Confirmation | None = None  # confirming convergence on the true residual
+    checks: _method.Confirmation | None = None  # confirming convergence on the true residual
 
 
 class _Context(NamedTuple):
@@ -70,13 +71,6 @@ class _Context(NamedTuple):
     atol: jax.Array
     tol_from_rr: bool  # x0 = None: ||b||^2 is the first step's <r, r>
     max_steps: int  # a step with k = max_steps only checks the residual
-
-
-def _masked_div(pred, num, den):
-    """`num / den` where `pred` holds, else 0, with the division last: XLA then
-    computes the scalar once per step, where a final select would be fused
-    into (and recompiled with) every vector update that reads it."""
-    return jnp.where(pred, num, 0) / jnp.where(pred, den, 1)
 
 
 def _may_go(rr, gamma, tol2):
@@ -131,7 +125,7 @@ def _recurrence(sc: _Scalars, gamma, delta, go):
     beta = gamma / sc.gamma  # see `_standard_step`
     curvature = jnp.where(sc.k == 0, delta, delta - beta * gamma / sc.alpha)
     go = _goes(go, curvature)
-    return beta, _masked_div(go, gamma, curvature), curvature, go
+    return beta, masked_div(go, gamma, curvature), curvature, go
 
 
 def _advance(sc: _Scalars, go, alpha, rr, gamma, curvature) -> _Scalars:
@@ -160,7 +154,7 @@ def _standard_step(st: _Standard, ctx: _Context) -> _Standard:
     with jax.named_scope("solvax.pcg.reduce"):
         pq = jnp.real(ctx.ip.dot(p, q))
     go = _goes(go, pq)
-    alpha = _masked_div(go, gamma, pq)
+    alpha = masked_div(go, gamma, pq)
     return _Standard(x=tree.axpy(alpha, p, st.x), r=tree.axpy(-alpha, q, st.r), p=p,
                      sc=_advance(sc, go, alpha, rr, gamma, pq))
 
@@ -248,7 +242,7 @@ def _pipelined_with_replacement(st: _Pipelined, ctx: _Context, b, every: int) ->
 
 def _confirmed_step(st: _Pipelined, ctx: _Context) -> _Pipelined:
     """A pipelined step whose stopping test is confirmed on the true residual
-    (`_driver.Confirmation`): a step whose own residual met the tolerance
+    (`_method.Confirmation`): a step whose own residual met the tolerance
     ends the round (`pending`) and does not count; one after a restart whose
     true residual is not below the previous restart's stops the solve."""
     new = _pipelined_step(st, ctx)
@@ -264,8 +258,9 @@ def _confirmed_rounds(state: _Pipelined, ctx: _Context, b) -> _Pipelined:
     """Pipelined CG in rounds whose stopping test is confirmed on the true
     residual: the restart from `x` costs 2 matvecs and no reduction (the next
     step's reduction tests it)."""
-    return _driver.confirmed_rounds(
-        state, checks=lambda st: st.checks, step=functools.partial(_confirmed_step, ctx=ctx),
+    return _method.confirmed_rounds(
+        ctx.ip, b, state, checks=lambda st: st.checks,
+        step=functools.partial(_confirmed_step, ctx=ctx),
         going=lambda st: st.sc.go & (st.sc.k <= ctx.max_steps),
         restart=lambda st: _restart(st, ctx, b))
 
@@ -281,7 +276,7 @@ def _initial_state(method: str, ctx: _Context, x, r, sc: _Scalars):
         u = ctx.M(r)
         return _Pipelined(x=x, r=r, p=zeros, s=zeros, w=ctx.A(u), z=zeros,
                           u=None if ctx.identity else u, q=None if ctx.identity else zeros,
-                          sc=sc, checks=_driver.Confirmation.start(sc.rr.dtype))
+                          sc=sc, checks=_method.Confirmation.start(sc.rr.dtype))
 
 
 def _start(problem: Problem, ctx: _Context, real, max_steps: int, record_history: bool):
@@ -316,12 +311,12 @@ def _run(problem: Problem, *, method: str, max_steps: int | None, residual_repla
     # Up to max_steps steps, then one that only checks the residual it reduces
     # anyway (no update): at the limit, the loop's own test still says whether
     # x converged, with no reduction after the loop.
-    state = problem.ip.typed_like_results(state, problem.b)
     if method == "pipelined" and not residual_replacement:
         state = _confirmed_rounds(state, ctx, problem.b)
     else:
-        state = lax.while_loop(lambda st: st.sc.go & (st.sc.k <= max_steps),
-                               functools.partial(step, ctx=ctx), state)
+        state = _method.while_loop(problem.ip, problem.b,
+                                   lambda st: st.sc.go & (st.sc.k <= max_steps),
+                                   functools.partial(step, ctx=ctx), state)
     sc = state.sc
     # Every step run updated x, except the last one, which stopped the loop.
     steps = sc.k - (~sc.go).astype(jnp.int32)
@@ -334,7 +329,7 @@ def _run(problem: Problem, *, method: str, max_steps: int | None, residual_repla
 
 _STEPS = {"standard": _standard_step, "single_reduction": _single_step,
           "pipelined": _pipelined_step}
-METHODS = (*_STEPS, "s_step")
+METHOD_NAMES = (*_STEPS, "s_step")
 CG = _driver.register(_driver.Method("pcg", _run))
 
 
@@ -464,12 +459,10 @@ def pcg(
     strategy for improving the maximum attainable accuracy of s-step Krylov
     subspace methods", SIAM J. Matrix Anal. Appl. 35 (2014).
     """
-    if max_steps is not None:
-        _checks.check_int("max_steps", max_steps, 0)
     _checks.check_flag("single_reduction", single_reduction)
     if method is None:
         method = "single_reduction" if single_reduction else "standard"
-    _checks.check_choice("method", method, METHODS)
+    _checks.check_choice("method", method, METHOD_NAMES)
     if single_reduction and method != "single_reduction":
         raise ValueError(f"`single_reduction=True` contradicts `method={method!r}`; pass one.")
     if residual_replacement is not None:
@@ -491,7 +484,7 @@ def pcg(
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, method=method,
                          max_steps=max_steps, residual_replacement=residual_replacement,
-                         record_history=_checks.check_flag("record_history", record_history))
+                         record_history=record_history)
 
 
 def pcg_linear_solve(matvec: Callable[[PyTree], PyTree], b: PyTree, **pcg_options) -> Solution:

@@ -38,6 +38,13 @@ The contract a method keeps:
   `jax.linear_transpose`, exact for symmetric operators too), from zero: a
   method for Hermitian operators works on `A^T = conj(A)` as well.
 
+- Options shared by several methods are checked here (`max_steps`,
+  `record_history`); a method checks only its own.
+- The small mechanisms of a step (safe division, the rounding-level test,
+  the typed loop, confirmation on the true residual) are in `_method.py`;
+  the start from `x0` and the stopping threshold are `Problem.start` /
+  `Problem.residual` / `Problem.settled` and `threshold` here.
+
 Adding a method: write `run`, register `Method(name, run)`, call
 `solve(method, ...)` from the public function, export it in `__init__.py`,
 and add one entry to `tests/helpers.py::SOLVERS`.
@@ -65,10 +72,10 @@ PyTree = Any
 class Static:
     """A concrete option (a Python or NumPy number) kept out of the traced
     leaves: a tolerance given as a number stays a constant of every solve's
-    trace. (As a leaf it became an input of `custom_linear_solve`, which
-    inside `shard_map` under `grad(jit(...))` gets it as a varying value its
-    traced solve took as invariant: "mul requires varying manual axes to
-    match".)"""
+    trace. A traced leaf would be an input of `custom_linear_solve`, which
+    inside `shard_map` under `grad(jit(...))` passes it on as a varying value
+    where the traced solve expects an invariant one ("mul requires varying
+    manual axes to match")."""
 
     def __init__(self, value):
         self.value = value
@@ -121,23 +128,30 @@ class Problem(NamedTuple):
         """A NaN-filled residual history of `length` (None unless recorded)."""
         return jnp.full((length,), jnp.nan, self.real_dtype()) if record else None
 
-    def start_from_x0(self, r, bb):
-        """`(x, r)` from `x0` and its residual `r = b - A x0`: for `b = 0`
-        (`bb = ||b||^2 = 0`) the answer is exactly 0, whatever `x0`."""
+    def residual(self):
+        """`(x, r)` before an iteration: `(0, b)`, or `(x0, b - A x0)` (one matvec)."""
+        if self.x0 is None:
+            return tree.zeros_like(self.b), self.b
+        return self.x0, tree.sub(self.b, self.A(self.x0))
+
+    def settled(self, x, r, bb):
+        """`(x, r)` from `residual()`, with the answer exactly 0 where `b = 0`
+        (`bb = ||b||^2 = 0`), whatever `x0` (from zero: unchanged)."""
+        if self.x0 is None:
+            return x, r
         zero_b = bb == 0
-        return (tree.where(zero_b, tree.zeros_like(self.b), self.x0),
-                tree.where(zero_b, self.b, r))
+        return tree.where(zero_b, tree.zeros_like(self.b), x), tree.where(zero_b, self.b, r)
 
     def start(self, rtol, atol):
         """`(x, r, tol2)` before an iteration: from zero, with `tol2 = inf`
         (the first step's `<r, r>` is `||b||^2` and sets it, no reduction of
         its own), or from `x0`, with one setup reduction for `||b||^2`;
         `tol2 = max(atol, rtol ||b||)^2`."""
-        b = self.b
+        x, r = self.residual()
         if self.x0 is None:
-            return tree.zeros_like(b), b, jnp.asarray(jnp.inf, self.real_dtype())
-        bb = jnp.real(self.ip.dot(b, b))
-        x, r = self.start_from_x0(tree.sub(b, self.A(self.x0)), bb)
+            return x, r, jnp.asarray(jnp.inf, self.real_dtype())
+        bb = jnp.real(self.ip.dot(self.b, self.b))
+        x, r = self.settled(x, r, bb)
         return x, r, squared_threshold(bb, rtol, atol)
 
     def tolerances(self) -> tuple[jax.Array, jax.Array]:
@@ -148,56 +162,14 @@ class Problem(NamedTuple):
         return value(self.rtol), value(self.atol)
 
 
+def threshold(bb, rtol, atol):
+    """The stopping threshold `max(atol, rtol ||b||)` from `bb = ||b||^2`."""
+    return jnp.maximum(atol, rtol * _reduce.real_sqrt(bb))
+
+
 def squared_threshold(bb, rtol, atol):
-    """`max(atol, rtol ||b||)^2` from `bb = ||b||^2` (no square root)."""
+    """`threshold(bb, rtol, atol)^2` (no square root)."""
     return jnp.maximum(atol * atol, rtol * rtol * bb)
-
-
-class Confirmation(NamedTuple):
-    """A method's own stopping test, confirmed on the true residual.
-
-    Recurrences that update the residual (pipelined and s-step CG) can meet
-    the tolerance on it while `b - A x` does not. Such a method runs in
-    rounds (`confirmed_rounds`): when its own test says converged, the round
-    ends with `pending` set and the next one restarts from `x` with the true
-    residual (`fresh`), which the next step's reduction tests; a restart
-    whose true residual is not below the previous restart's (`last`) means
-    the attainable accuracy was reached (`stalled`: `STAGNATION`).
-    """
-
-    pending: jax.Array  # the own test met the tolerance: restart and test the true residual
-    fresh: jax.Array  # the residual was just recomputed as b - A x
-    last: jax.Array  # squared true residual at the previous restart (inf before one)
-    stalled: jax.Array  # a restart did not lower the true residual: stop
-
-    @classmethod
-    def start(cls, real) -> Confirmation:
-        false = jnp.bool_(False)
-        return cls(pending=false, fresh=false, last=jnp.asarray(jnp.inf, real), stalled=false)
-
-    def after_step(self, converged, rr, tol2) -> Confirmation:
-        """After a step whose own test says `converged`, with squared residual
-        `rr` (the true one when the step started `fresh`)."""
-        return Confirmation(pending=converged & ~self.fresh, fresh=jnp.zeros_like(self.fresh),
-                            last=jnp.where(self.fresh, rr, self.last),
-                            stalled=self.fresh & ~(rr <= tol2) & (rr >= self.last))
-
-    def restarted(self) -> Confirmation:
-        """After the restart (taken where `pending`): the next step tests the true residual."""
-        return self._replace(pending=~self.pending, fresh=self.pending)
-
-
-def confirmed_rounds(state, *, checks: Callable, going: Callable, step: Callable,
-                     restart: Callable):
-    """Rounds of `step` while `going(state)`, each after a `restart` where
-    `checks(state).pending` (see `Confirmation`). The restart sits outside the
-    step: under `vmap` a conditional runs both branches, so one in the step
-    would cost its matvec every step."""
-    def round_(st):
-        st = jax.lax.cond(checks(st).pending, restart, lambda st: st, st)
-        return jax.lax.while_loop(going, step, st)
-
-    return jax.lax.while_loop(lambda st: going(st) | checks(st).pending, round_, state)
 
 
 class Outcome(NamedTuple):
@@ -216,11 +188,12 @@ class Method(NamedTuple):
     run: Callable[..., Outcome]  # run(problem, **static options)
 
 
-METHODS: dict[str, Method] = {}
+#: Every registered method by name (`tests/test_driver.py` checks each).
+REGISTRY: dict[str, Method] = {}
 
 
 def register(method: Method) -> Method:
-    METHODS[method.name] = method
+    REGISTRY[method.name] = method
     return method
 
 
@@ -322,6 +295,7 @@ def solve(method: Method, matvec, b, /, *, x0, precond, rtol, atol, inner_produc
     """`method` on `A x = b`, validated, differentiable and finished (1-4 above);
     `data`: the method's own traced arguments (`Problem.data`)."""
     _checks.check_choice("failed_derivative", failed_derivative, FAILED_DERIVATIVES)
+    options = _common_options(options)
     problem = make_problem(matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                            inner_product=inner_product, axis_name=axis_name)
     problem = problem._replace(data=data)
@@ -331,6 +305,17 @@ def solve(method: Method, matvec, b, /, *, x0, precond, rtol, atol, inner_produc
     run = functools.partial(_run_and_finish, method, options)
     # The transposed solve: the same method on A^T, started from zero.
     return implicit_solve(problem, run, lambda p: run(p._replace(x0=None)), failed_derivative)
+
+
+def _common_options(options: dict) -> dict:
+    """The options several methods share, checked here once: `max_steps` a
+    non-negative int (or None), `record_history` a bool."""
+    if options.get("max_steps") is not None:
+        _checks.check_int("max_steps", options["max_steps"], 0)
+    if "record_history" in options:
+        options = {**options, "record_history": _checks.check_flag(
+            "record_history", options["record_history"])}
+    return options
 
 
 def _run_and_finish(method: Method, options: dict, problem: Problem):
@@ -386,8 +371,7 @@ def finish(problem: Problem, outcome: Outcome, name: str, scale=None) -> Solutio
             rr, bb, xx = jnp.real(problem.ip.multi_dot([(r, r), (problem.b, problem.b),
                                                          (outcome.x, outcome.x)]))
         norm, xnorm = _reduce.real_sqrt(rr), _reduce.real_sqrt(xx)
-        rtol, atol = problem.tolerances()
-        tol = jnp.maximum(atol, rtol * _reduce.real_sqrt(bb))
+        tol = threshold(bb, *problem.tolerances())
     else:
         norm, tol, xnorm = outcome.residual
     if scale is None:
@@ -475,8 +459,9 @@ def implicit_solve(problem: Problem, run, run_transposed, failed_derivative: str
     `A^T` is always `jax.linear_transpose(A)`, never `A` itself, even for a
     symmetric operator: a second derivative differentiates the transposed
     solve, and along a perturbation of `A`'s parameters that is not symmetric
-    `d(A^T) = (dA)^T != dA` (the Hessian of a solve with respect to the entries
-    of a symmetric matrix was 91-97 % wrong when `A` stood for `A^T`). A tangent
+    `d(A^T) = (dA)^T != dA` (with `A` standing for `A^T`, the Hessian of a
+    solve with respect to the entries of a symmetric matrix is 91-97 % wrong:
+    the Hessian tests in `tests/test_grad.py`). A tangent
     or transposed solve that did not converge makes the derivative NaN unless
     `failed_derivative="keep"`.
     """

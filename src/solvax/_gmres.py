@@ -13,9 +13,10 @@ import numpy as np
 from jax import lax
 from jax.scipy.linalg import solve_triangular
 
-from . import _checks, _driver, _reduce
+from . import _checks, _driver, _method, _reduce
 from . import _tree as tree
 from ._driver import Outcome, Problem
+from ._method import nonzero
 from ._solution import RUNNING, Solution, Status, code, first_status
 
 PyTree = Any
@@ -322,7 +323,7 @@ def _new_cycle(one_sync: bool, V, Z, r, beta, anorm, go, m: int, dtype):
         return _OneSyncCycle(V=tree.basis_set(V, 0, r), u=r, Z=Z,
                              H=jnp.zeros((m + 2, m + 2), dtype), est=est, k=jnp.int32(0),
                              anorm=anorm)
-    v0 = tree.scale(1.0 / jnp.where(beta == 0, 1.0, beta), r)
+    v0 = tree.scale(1.0 / nonzero(beta), r)
     return _Cgs2Cycle(V=tree.basis_set(V, 0, v0), Z=Z, H=jnp.zeros((m + 1, m), dtype), est=est,
                       k=jnp.int32(0), anorm=anorm)
 
@@ -343,9 +344,8 @@ def _arnoldi(A, b, *, precond, ip, m, orthogonalization):
     def run(r, beta, tol, anorm, go):
         ctx = _Context(A=A, precond=precond, ip=ip, tol=tol, tiny=100 * jnp.finfo(real).eps)
         cy = _new_cycle(one_sync, basis_V, basis_Z, r, beta, anorm, go, m, dtype)
-        cy = ip.typed_like_results(cy, b)
-        cy = lax.while_loop(lambda c: (c.est.flag == RUNNING) & (c.k < steps),
-                            functools.partial(step, ctx=ctx), cy)
+        cy = _method.while_loop(ip, b, lambda c: (c.est.flag == RUNNING) & (c.k < steps),
+                                functools.partial(step, ctx=ctx), cy)
         # One-sync stores H one column to the right (a step then writes the column
         # it finishes and the new one in one update); the cycle returns it unshifted.
         H = cy.H[: m + 1, 1: m + 1] if one_sync else cy.H
@@ -437,10 +437,9 @@ def _run(problem: Problem, *, restart: int, max_restarts: int | None, orthogonal
     # Each pass starts with the true residual; a pass with nothing left to do
     # (converged, broken down or out of restarts) ends the loop after that check,
     # so the driver needs no residual of its own.
-    state = problem.ip.typed_like_results(state, b)
-    state = lax.while_loop(lambda st: st.status == RUNNING,
-                           functools.partial(_cycle, problem=problem, arnoldi=arnoldi,
-                                             max_restarts=max_restarts), state)
+    state = _method.while_loop(problem.ip, b, lambda st: st.status == RUNNING,
+                               functools.partial(_cycle, problem=problem, arnoldi=arnoldi,
+                                                 max_restarts=max_restarts), state)
     return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history,
                    residual=(state.rnorm, state.tol, state.xnorm))
 
@@ -572,4 +571,4 @@ def gmres(
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, restart=int(restart),
                          max_restarts=max_restarts, orthogonalization=orthogonalization,
-                         record_history=_checks.check_flag("record_history", record_history))
+                         record_history=record_history)

@@ -12,9 +12,10 @@ import numpy as np
 from jax import lax
 from jax.scipy.linalg import solve_triangular
 
-from . import _checks, _driver, _reduce
+from . import _checks, _driver, _method, _reduce
 from . import _tree as tree
 from ._driver import Outcome, Problem
+from ._method import masked_div, negligible, nonzero
 from ._solution import RUNNING, Solution, Status, first_status
 
 PyTree = Any
@@ -25,9 +26,8 @@ class _State(NamedTuple):
     x: PyTree
     r: PyTree  # b - A x (recursively updated)
     # Tuples of s vectors, not stacked bases: the cycle is unrolled, so column j
-    # is a static index and replacing it copies nothing (a stacked basis updated
-    # in place was copied whole, several times per step, by XLA: 0.77 ms per
-    # matvec against 0.15 for BiCGStab on convection-diffusion 256^2).
+    # is a static index and replacing it copies nothing (XLA copies a stacked
+    # basis whole for an in-place column update, several times per step).
     G: tuple  # A U, biorthogonal to the shadow space
     U: tuple  # (preconditioned) directions
     Mp: jax.Array  # P^H G, (s, s), lower triangular
@@ -111,12 +111,11 @@ def _inner_step(st: _State, j: int, ctx: _Context) -> _State:
         column = pg - st.Mp[:, :j] @ alpha
     column = jnp.where(index >= j, column, 0)  # P^H G_j, biorthogonalized
     pivot = column[j]
-    eps = jnp.finfo(rr.dtype).eps
     # P_j^H G_j ~ 0 next to |P^H G_j| (the vectors are normalized alike): IDR's breakdown
-    lost = jnp.abs(pivot) <= 10 * eps * jnp.max(jnp.abs(pg))
+    lost = negligible(pivot, jnp.max(jnp.abs(pg)))
     finite = jnp.isfinite(rr) & jnp.all(jnp.isfinite(jnp.abs(pg)))
     take, status = _decide(st, ctx, rr, finite, lost)
-    beta = _guard(take, st.f[j] / jnp.where(lost, jnp.ones_like(pivot), pivot))
+    beta = masked_div(take, st.f[j], pivot)
     return st._replace(
         x=tree.axpy(beta, u, st.x), r=tree.axpy(-beta, g, st.r),
         G=(*st.G[:j], g, *st.G[j + 1:]), U=(*st.U[:j], u, *st.U[j + 1:]),
@@ -141,11 +140,10 @@ def _omega_step(st: _State, ctx: _Context) -> _State:
                                                      [(t, st.r), (t, t), (st.r, st.r)])
     tt, rr = jnp.real(tt), jnp.real(rr)
     norms = _reduce.real_sqrt(tt) * _reduce.real_sqrt(rr)
-    eps = jnp.finfo(rr.dtype).eps
-    lost = jnp.abs(tr) <= 10 * eps * norms  # t orthogonal to r: omega = 0 stalls IDR
+    lost = negligible(tr, norms)  # t orthogonal to r: omega = 0 stalls IDR
     finite = jnp.isfinite(rr) & jnp.isfinite(tt) & jnp.isfinite(jnp.abs(tr))
-    omega = tr / jnp.where(tt == 0, jnp.ones_like(tt), tt).astype(tr.dtype)
-    angle = jnp.abs(tr) / jnp.where(norms == 0, jnp.ones_like(norms), norms)
+    omega = tr / nonzero(tt).astype(tr.dtype)
+    angle = jnp.abs(tr) / nonzero(norms)
     kappa = jnp.asarray(ctx.angle, angle.dtype)
     omega = omega * jnp.where(angle < kappa, kappa / jnp.where(lost, 1, angle), 1).astype(
         omega.dtype)
@@ -192,15 +190,13 @@ def _run(problem: Problem, *, s: int, seed: tuple, angle: float, max_steps: int 
            else jnp.asarray(seed[1:], jnp.uint32))
     P = shadow_space(b, s, key, ip.reduced_axes(), problem.size())
     with jax.named_scope("solvax.idrs.setup"):
-        if problem.x0 is None:
-            x, r = tree.zeros_like(b), b
-        else:
-            x, r = problem.x0, tree.sub(b, problem.A(problem.x0))
+        x, r = problem.residual()
         f, (rr, bb) = ip.project_many(P, [r], [(r, r), (b, b)])
-        if problem.x0 is not None:
-            x, r = problem.start_from_x0(r, jnp.real(bb))
-            f = jnp.where(jnp.real(bb) == 0, jnp.zeros_like(f), f)
-    tol2 = jnp.maximum(atol * atol, rtol * rtol * jnp.real(bb))
+        bb = jnp.real(bb)
+        x, r = problem.settled(x, r, bb)
+        if problem.x0 is not None:  # from zero, f = P^H b is 0 for b = 0 already
+            f = jnp.where(bb == 0, jnp.zeros_like(f), f)
+    tol2 = _driver.squared_threshold(bb, rtol, atol)
     ctx = _Context(A=problem.A, M=problem.precond or (lambda v: v), ip=ip, P=P, s=s,
                    angle=angle, tol2=tol2, max_steps=max_steps)
     dtype = tree.result_dtype(b)
@@ -210,8 +206,8 @@ def _run(problem: Problem, *, s: int, seed: tuple, angle: float, max_steps: int 
                    omega=jnp.ones((), dtype), k=jnp.int32(0), go=jnp.bool_(True),
                    status=jnp.int32(RUNNING),
                    history=problem.history(max_steps + 1, record_history))
-    state = ip.typed_like_results(state, b)
-    state = lax.while_loop(lambda st: st.go, functools.partial(_cycle, ctx=ctx), state)
+    state = _method.while_loop(ip, b, lambda st: st.go, functools.partial(_cycle, ctx=ctx),
+                               state)
     return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history)
 
 
@@ -325,11 +321,9 @@ def idrs(
     _checks.check_tolerance("angle", angle)
     if not angle < 1:
         raise ValueError(f"`angle` must be in [0, 1) (a cosine); got {angle!r}.")
-    if max_steps is not None:
-        _checks.check_int("max_steps", max_steps, 0)
     return _driver.solve(IDRS, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, s=int(s), seed=_seed_of(key),
                          angle=float(angle),
                          max_steps=max_steps,
-                         record_history=_checks.check_flag("record_history", record_history))
+                         record_history=record_history)

@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _checks, _driver, _reduce
+from . import _driver, _method, _reduce
 from . import _tree as tree
-from ._bicgstab import _nonzero
 from ._driver import Outcome, Problem
+from ._method import negligible, nonzero
 from ._solution import RUNNING, Solution, Status, code, first_status
 
 PyTree = Any
@@ -67,7 +67,6 @@ def _step(st: _State, ctx: _Context) -> _State:
     application). The price: `beta_k` arrives one step after `alpha_{k-1}`,
     so the rotation of column `k-1`, and `x`, lag one step behind.
     """
-    real = st.alpha.dtype
     with jax.named_scope("solvax.minres.matvec"):
         a = ctx.A(st.z2)
     with jax.named_scope("solvax.minres.precond"):
@@ -79,9 +78,9 @@ def _step(st: _State, ctx: _Context) -> _State:
     beta = _reduce.real_sqrt(rz)
     # r_k is rounding noise next to the last step's coefficients: the Krylov
     # space is invariant (the last rotation below finishes the solve)
-    invariant = ~first & (beta <= 10 * jnp.finfo(real).eps * (jnp.abs(st.alpha) + st.oldb))
+    invariant = ~first & negligible(beta, jnp.abs(st.alpha) + st.oldb)
     beta = jnp.where(invariant, jnp.zeros_like(beta), beta)
-    inv = 1 / _nonzero(beta)
+    inv = 1 / nonzero(beta)
     alpha = za * inv * inv
     # the QR factorization of the tridiagonal matrix: column k-1 (alpha_{k-1}, beta_k)
     delta = st.cs * st.dbar + st.sn * st.alpha
@@ -95,10 +94,10 @@ def _step(st: _State, ctx: _Context) -> _State:
     # singular A and an inconsistent b; its column is not applied (the
     # tridiagonal matrix is singular there: the update would blow up)
     least_squares = ~first & (jnp.hypot(gbar, dbar) <= ctx.rtol * jnp.sqrt(tnorm2))
-    gamma = _nonzero(gamma)
+    gamma = nonzero(gamma)
     cs, sn = gbar / gamma, beta / gamma
     phi, phibar = cs * st.phibar, sn * st.phibar
-    v = tree.scale(1 / _nonzero(st.oldb), st.z1)  # v_{k-1}
+    v = tree.scale(1 / nonzero(st.oldb), st.z1)  # v_{k-1}
     w = tree.scale(1 / gamma, tree.sub(tree.sub(v, tree.scale(st.epsln, st.w1)),
                                        tree.scale(delta, st.w2)))
     finite = jnp.isfinite(rz) & jnp.isfinite(za)
@@ -107,7 +106,7 @@ def _step(st: _State, ctx: _Context) -> _State:
     update = ~first & finite & ~least_squares & (rz >= 0)
     phi = jnp.where(update, phi, jnp.zeros_like(phi))
     turn = lambda new, old: jnp.where(first, old, new)  # noqa: E731  (no column yet at k = 0)
-    c1 = beta / _nonzero(st.oldb)
+    c1 = beta / nonzero(st.oldb)
     r_next = tree.sub(tree.scale(inv, tree.axpy(-alpha, st.r2, a)), tree.scale(c1, st.r1))
     z_next = tree.sub(tree.scale(inv, tree.axpy(-alpha, st.z2, u)), tree.scale(c1, st.z1))
     phibar = jnp.where(first, beta, jnp.where(update, phibar, st.phibar))
@@ -157,7 +156,7 @@ def _round(rd: _Round, ctx: _Context, problem: Problem, tol) -> _Round:
     more = met & ~ok & ~stalled & (st.k < ctx.max_steps)
     status = first_status([(ok, Status.CONVERGED), (stalled, Status.CONVERGED),
                            (more, RUNNING), (st.status != RUNNING, st.status)], RUNNING)
-    ratio = tol / jnp.where(norm == 0, jnp.ones_like(norm), norm)
+    ratio = tol / nonzero(norm)
     target = jnp.minimum(rd.target, st.phibar) * jnp.minimum(ratio, 0.5)
     return _Round(st=st, target=jnp.where(more, target, rd.target),
                   true=(norm, tol, _reduce.real_sqrt(xx)), status=status, go=more)
@@ -170,14 +169,12 @@ def _run(problem: Problem, *, max_steps: int | None, record_history: bool) -> Ou
     b, ip = problem.b, problem.ip
     M = problem.precond or (lambda v: v)
     with jax.named_scope("solvax.minres.setup"):
-        r = b if problem.x0 is None else tree.sub(b, problem.A(problem.x0))
+        x, r = problem.residual()
         bb = jnp.real(ip.dot(b, b))
-        x = tree.zeros_like(b) if problem.x0 is None else problem.x0
-        if problem.x0 is not None:
-            x, r = problem.start_from_x0(r, bb)
+        x, r = problem.settled(x, r, bb)
         z = M(r)
     real = problem.real_dtype()
-    tol = jnp.maximum(atol, rtol * _reduce.real_sqrt(bb))
+    tol = _driver.threshold(bb, rtol, atol)
     zero = jnp.zeros((), real)
     st = _State(x=x, r1=tree.zeros_like(b), r2=r, z1=tree.zeros_like(b), z2=z,
                 w1=tree.zeros_like(b), w2=tree.zeros_like(b), alpha=zero, oldb=zero,
@@ -189,9 +186,8 @@ def _run(problem: Problem, *, max_steps: int | None, record_history: bool) -> Ou
     inf = jnp.full((), jnp.inf, real)
     rd = _Round(st=st, target=tol, true=(inf, tol, zero), status=code(RUNNING),
                 go=jnp.bool_(True))
-    rd = ip.typed_like_results(rd, b)
-    rd = lax.while_loop(lambda rd: rd.go, functools.partial(_round, ctx=ctx, problem=problem,
-                                                            tol=tol), rd)
+    rd = _method.while_loop(ip, b, lambda rd: rd.go,
+                            functools.partial(_round, ctx=ctx, problem=problem, tol=tol), rd)
     st = rd.st
     return Outcome(x=st.x, status=rd.status, iterations=jnp.maximum(st.k - 1, 0),
                    history=st.history,
@@ -226,11 +222,12 @@ def minres(
     shifted operators) are what it is for; for a positive-definite `A`,
     `pcg` needs the same matvecs and less memory.
 
-    Communication: **one synchronization per step**. `alpha = <v, A v>` and
-    `beta'^2 = <r', M r'>` are grouped by applying `M` to `A v` and
-    expanding `<r', M r'>` into products taken with `alpha`'s (see
-    `_minres._step`): one matvec, one preconditioner application and one
-    reduction of 4 scalars per step.
+    Communication: **one synchronization per step**. The Lanczos vectors are
+    carried unnormalized (`r_k`, `z_k = M r_k`), so `a = A z_k` is known before
+    either coefficient and one reduction of 2 scalars, `[<r_k, z_k>, <z_k, a>]`,
+    gives `beta_k` and `alpha_k` each from its own product (see
+    `_minres._step`); the Givens update of `x` lags one step behind. One
+    matvec and one preconditioner application per step.
 
     Stopping: the QR gives `||b - A x||_M` for free; when it meets the
     tolerance the true 2-norm residual is computed (one more matvec and
@@ -277,9 +274,7 @@ def minres(
     Reference: C. C. Paige and M. A. Saunders, "Solution of sparse indefinite
     systems of linear equations", SIAM J. Numer. Anal. 12 (1975).
     """
-    if max_steps is not None:
-        _checks.check_int("max_steps", max_steps, 0)
     return _driver.solve(MINRES, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, max_steps=max_steps,
-                         record_history=_checks.check_flag("record_history", record_history))
+                         record_history=record_history)

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _checks, _driver, _reduce
+from . import _checks, _driver, _method, _reduce
 from . import _tree as tree
 from ._driver import Outcome, Problem
 from ._solution import RUNNING, Status, code, first_status
@@ -72,7 +72,7 @@ class _State(NamedTuple):
     k: jax.Array  # outer steps that updated x
     status: jax.Array  # RUNNING, or why the loop stopped
     go: jax.Array  # the last outer step updated x
-    checks: _driver.Confirmation  # confirming convergence on the true residual
+    checks: _method.Confirmation  # confirming convergence on the true residual
     history: jax.Array | None
 
 
@@ -290,8 +290,9 @@ def _restart(st: _State, ctx: _Context) -> _State:
 
 def _rounds(st: _State, ctx: _Context) -> _State:
     """Outer steps in rounds whose stopping test is confirmed on the true
-    residual (`_driver.Confirmation`; the restart: one matvec, no reduction)."""
-    return _driver.confirmed_rounds(st, checks=lambda st: st.checks, going=lambda st: st.go,
+    residual (`_method.Confirmation`; the restart: one matvec, no reduction)."""
+    return _method.confirmed_rounds(ctx.ip, ctx.b, st, checks=lambda st: st.checks,
+                                    going=lambda st: st.go,
                                     step=functools.partial(_outer_step, ctx=ctx),
                                     restart=lambda st: _restart(st, ctx))
 
@@ -326,9 +327,8 @@ def _run(problem: Problem, *, s: int, basis: str, max_steps: int | None,
                 W=_spectral(jnp.zeros((s, s), dtype), ctx.eps),
                 center=center, half=half, lmax=jnp.zeros((), real), tol2=tol2, rr=one,
                 k=jnp.int32(0), status=jnp.int32(RUNNING), go=jnp.bool_(True),
-                checks=_driver.Confirmation.start(real),
+                checks=_method.Confirmation.start(real),
                 history=problem.history(ctx.max_outer * s + 1, record_history))
-    st = problem.ip.typed_like_results(st, b)
     st = _rounds(st, ctx)
     history = st.history
     if history is not None:
@@ -345,8 +345,6 @@ def solve(matvec, b, *, x0, precond, rtol, atol, max_steps, s, basis, spectrum,
     """`pcg(method="s_step")`: its options checked, then the driver."""
     _checks.check_int("s", s, 1)
     _checks.check_choice("basis", basis, BASES)
-    if max_steps is not None:
-        _checks.check_int("max_steps", max_steps, 0)
     data = None
     if spectrum is not None:
         if not (isinstance(spectrum, tuple | list) and len(spectrum) == 2):
@@ -366,4 +364,4 @@ def solve(matvec, b, *, x0, precond, rtol, atol, max_steps, s, basis, spectrum,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, data=data, s=s, basis=basis,
                          max_steps=max_steps, residual_replacement=residual_replacement,
-                         record_history=_checks.check_flag("record_history", record_history))
+                         record_history=record_history)

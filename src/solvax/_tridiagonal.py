@@ -10,7 +10,7 @@ from jax import lax
 
 from . import _checks
 
-METHODS = ("auto", "thomas", "lax")
+METHOD_NAMES = ("auto", "thomas", "lax")
 
 
 def _shift_down(x):
@@ -171,7 +171,7 @@ def tridiagonal_solve(lower, diag, upper, rhs, *, method: str = "auto"):
     Reference: L. H. Thomas, "Elliptic problems in linear difference
     equations over a network", Watson Sci. Comput. Lab. report (1949).
     """
-    _checks.check_choice("method", method, METHODS)
+    _checks.check_choice("method", method, METHOD_NAMES)
     _check_bands(lower, diag, upper, rhs)
     dtype = jnp.result_type(lower, diag, upper, rhs)
     lower, diag, upper, rhs = (jnp.asarray(a, dtype) for a in (lower, diag, upper, rhs))
@@ -188,7 +188,7 @@ def tridiagonal_solve(lower, diag, upper, rhs, *, method: str = "auto"):
         functools.partial(_matvec, lower, diag, upper), rhs, primal, transpose)
 
 
-__all__ = ["tridiagonal_solve", "METHODS"]
+__all__ = ["tridiagonal_solve", "METHOD_NAMES"]
 
 
 def cyclic_tridiagonal_solve(lower, diag, upper, rhs, *, method: str = "auto"):
