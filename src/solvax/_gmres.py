@@ -364,8 +364,7 @@ def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int) -> _Outer:
         rr, bb, axax, xx = jnp.real(problem.ip.multi_dot([(r, r), (b, b), (Ax, Ax),
                                                           (st.x, st.x)]))
     beta = _reduce.real_sqrt(rr)
-    rtol, atol = problem.tolerances()
-    tol = jnp.maximum(atol, rtol * _reduce.real_sqrt(bb))
+    tol = _driver.threshold(bb, *problem.tolerances())
     zero_b = bb == 0  # b = 0: the answer is exactly 0, whatever x0
     beta = jnp.where(zero_b, 0, beta)
     stalls = jnp.where((st.restarts > 0) & (beta >= st.rnorm), st.stalls + 1, 0)
