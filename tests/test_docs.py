@@ -29,3 +29,12 @@ def test_every_figure_shown_exists():
              for m in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page.read_text())}
     assert shown, "the site shows no figure"
     assert all((DOCS / path).is_file() for path in shown), shown
+
+
+def test_the_api_reference_renders_parameters_as_lists():
+    """Its parameter tables overflowed the content column (the Default column
+    cut off at 1400 px): sections render as lists, and no page of the site
+    links to a placeholder repository."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert re.search(r"^\s+docstring_section_style: list\s*$", config, re.M), config
+    assert "example.invalid" not in config and "repo_url" not in config
