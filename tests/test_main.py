@@ -13,20 +13,51 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 
-def test_python_m_solvax_prints_the_live_table(tmp_path):
+def _main_job(tmp_path, *args):
+    """`python -m solvax --json PATH *args`: (printed text, rows by case)."""
     path = tmp_path / "table.json"
-    out = subprocess.run([sys.executable, "-m", "solvax", "--json", str(path)],
+    out = subprocess.run([sys.executable, "-m", "solvax", "--json", str(path), *args],
                          capture_output=True, text=True, env=entry_point_env(), timeout=600,
                          check=True).stdout
-    assert "8 CPU devices" in out
+    assert "8 CPU devices" in out and "all-gathers (p+a)" in out
     rows = {r["case"]: r for r in json.loads(path.read_text())["rows"]}
     for case in rows:
         assert case in out  # the printed table and the JSON are the same rows
+    return out, rows
+
+
+def _check_pcg_rows(rows):
     pcg = rows["PCG"]
     assert (pcg["devices"], pcg["primal"], pcg["adjoint"], pcg["per_step"]) == (8, 3, 6, 2)
     single = rows["PCG, single_reduction=True"]
     assert (single["primal"], single["adjoint"], single["per_step"],
             single["all_gathers"]) == (2, 4, 1, 0)
+
+
+def test_python_m_solvax_prints_the_rows_asked_for(tmp_path):
+    """The main job with `--case` (the whole table is the benchmark-stage test
+    below; every row's counts are pinned in test_sharding.py and
+    test_partitioned.py)."""
+    cases = ["PCG", "PCG, single_reduction=True", "shard_map: MINRES (axis_name)"]
+    _, rows = _main_job(tmp_path, "--case", *cases)
+    assert list(rows) == cases
+    _check_pcg_rows(rows)
+    assert rows["shard_map: MINRES (axis_name)"]["all_gathers"] == 0
+
+
+def test_python_m_solvax_names_the_cases_for_an_unknown_one():
+    out = subprocess.run([sys.executable, "-m", "solvax", "--case", "PCGG"],
+                         capture_output=True, text=True, env=entry_point_env(), timeout=600)
+    assert out.returncode == 2 and "unknown table cases ['PCGG']" in out.stderr
+    assert "'PCG'" in out.stderr
+
+
+@pytest.mark.benchmark
+def test_python_m_solvax_prints_the_live_table(tmp_path):
+    """The whole table, as the README's main command prints it."""
+    _, rows = _main_job(tmp_path)
+    assert len(rows) > 30
+    _check_pcg_rows(rows)
 
 
 @pytest.mark.benchmark

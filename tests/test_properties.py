@@ -5,12 +5,13 @@ import numpy as np
 from helpers import rel_err, solve_dense_tridiagonal
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from matrix import examples
 
 import solvax as sx
 from solvax._tridiagonal import lax_supports
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(n=st.integers(1, 40), batch=st.integers(1, 3), seed=st.integers(0, 2**31 - 1),
        method=st.sampled_from(["thomas", "lax", "auto"]))
 def test_tridiagonal_matches_dense(n, batch, seed, method):

@@ -25,7 +25,7 @@ from helpers import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
-from matrix import examples, levels, sample
+from matrix import FULL, examples, levels, sample
 
 import solvax as sx
 from solvax import Status
@@ -131,7 +131,7 @@ def test_strict_dtype_promotion(name, dtype, exponent):
     _jitted.cache_clear()
 
 
-@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(DISTINCT), problem=st.sampled_from(["spd", "nonsymmetric",
                                                                  "indefinite", "singular"]),
        seed=st.integers(0, 5), max_steps=st.sampled_from([1, 3, None]))
@@ -291,9 +291,11 @@ def test_hessian_with_respect_to_a_dense_matrix(name):
         return jnp.sum(jnp.linalg.solve(M, b) ** 3)
 
     want = jax.hessian(dense)(M)
-    # forward over reverse (`jax.hessian`) and reverse over reverse
+    # forward over reverse (`jax.hessian`) for each; reverse over reverse (the
+    # same rules in another order) for pcg, and for each with the full matrix
     assert rel_err(jax.jit(jax.hessian(loss))(M), want) < 1e-8
-    assert rel_err(jax.jit(jax.jacrev(jax.jacrev(loss)))(M), want) < 1e-8
+    if FULL or name == "pcg":
+        assert rel_err(jax.jit(jax.jacrev(jax.jacrev(loss)))(M), want) < 1e-8
 
 
 # ------------------------------------------------------------- transformations

@@ -1,5 +1,6 @@
-"""`python -m solvax [--json PATH]`: the communication table, measured live on 8
-emulated CPU devices (and written as JSON with `--json`)."""
+"""`python -m solvax [--json PATH] [--case CASE ...]`: the communication table,
+measured live on 8 emulated CPU devices (and written as JSON with `--json`;
+only the rows named with `--case`)."""
 
 import argparse
 import os
@@ -19,13 +20,18 @@ from solvax import _table  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m solvax", description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--case", nargs="+", default=None, metavar="CASE",
+                        help="only these rows (their names in the first column)")
     args = parser.parse_args()
     devices = min(8, len(jax.devices()))
     print(f"solvax communication table: jax {jax.__version__}, {devices} "
           f"{jax.devices()[0].platform.upper()} devices, 1-D mesh axis 'i'")
     print(_table.MEANING)
     print()
-    rows = _table.measure(devices)
+    try:
+        rows = _table.measure(devices, cases=args.case)
+    except ValueError as e:  # an unknown case: say which there are
+        parser.error(str(e))
     print(_table.format_table(rows))
     if args.json:
         _table.write_json(rows, args.json)
