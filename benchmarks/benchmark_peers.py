@@ -7,10 +7,13 @@ rtol=0, atol=1e-8 ||b||); GMRES restart 30. Problems: 5-point Poisson 512 x 512
 (CG family), upwind convection-diffusion 256 x 256 with strength 10 (GMRES,
 BiCGStab and IDR(s)), a saddle-point system on two 128 x 128 grids (MINRES
 against GMRES), a 16-leaf pytree right-hand side (compile time), and a
-latency-bound mesh: 8 emulated devices, a diagonal operator on 4096 (and
-65536) entries sharded P('i'), 200 fixed iterations (CG and BiCGStab
-variants). Reported: compile time (lower +
-compile, caches cleared; median of 5 with the solvers interleaved
+BiCGStab sweep on one device: upwind convection-diffusion at
+strengths 10, 100 and 1000 on 128 x 128 and 512 x 512 grids, solvax's
+default `bicgstab` against `jax.scipy.sparse.linalg.bicgstab` (interleaved
+medians, matvecs, true residual); a latency-bound mesh: 8 emulated
+devices, a diagonal operator on 4096 (and 65536) entries sharded P('i'),
+200 fixed iterations (CG and BiCGStab variants). Reported: compile time
+(lower + compile, caches cleared; median of 5 with the solvers interleaved
 round-robin, and its ratio to jax.scipy's solver of the same method), median
 run time over 5 warm runs with the solvers interleaved round-robin, matvecs,
 true final relative residual, time per matvec and the ratio to the fastest
@@ -213,6 +216,40 @@ def problem(name, matvec, make_solvers, b, reference):
     return rows
 
 
+BICGSTAB_STRENGTHS = (10.0, 100.0, 1000.0)
+
+
+def bicgstab_pair(matvec):
+    """The default BiCGStab of solvax and of jax.scipy on `matvec`."""
+    return {"solvax bicgstab": lambda b: sx.bicgstab(matvec, b, rtol=RTOL).x,
+            "jax.scipy bicgstab": lambda b: jsp.bicgstab(matvec, b, tol=RTOL, atol=0.0,
+                                                         maxiter=100000)[0]}
+
+
+def bicgstab_sweep(sizes):
+    """solvax's default `bicgstab` against jax.scipy's on one device:
+    convection-diffusion at each strength and size (mesh Peclet number
+    `strength * h / 2`), time to a true relative residual of 1e-8."""
+    rows = []
+    rng = np.random.default_rng(1)
+    for n in sizes:
+        b = jnp.asarray(1.0 + 0.1 * rng.standard_normal((n, n)))
+        for strength in BICGSTAB_STRENGTHS:
+            matvec = convection_diffusion(strength)
+            runs = interleaved(bicgstab_pair(matvec), b)
+            row = dict(n=n, strength=strength, peclet=strength / (n + 1) / 2)
+            for name in runs:
+                x = jax.jit(bicgstab_pair(matvec)[name])(b)
+                key = "solvax" if name.startswith("solvax") else "jax_scipy"
+                row[f"{key}_s"] = runs[name]
+                row[f"{key}_matvecs"] = count_matvecs(
+                    lambda mv, name=name: bicgstab_pair(mv)[name], matvec, b)
+                row[f"{key}_true_relative_residual"] = norm(b - matvec(x)) / norm(b)
+            row["ratio"] = row["solvax_s"] / row["jax_scipy_s"]
+            rows.append(row)
+    return rows
+
+
 def norm(tree):
     return float(jnp.sqrt(sum(jnp.sum(jnp.abs(leaf) ** 2)
                               for leaf in jax.tree_util.tree_leaves(tree))))
@@ -297,8 +334,8 @@ def main():
             "repeats": REPEATS, "compile_repeats": COMPILE_REPEATS, "rtol": RTOL}
     print(meta)
     rows = []
-    # --only: the parts whose name contains it (poisson, convection, saddle,
-    # pytree, latency), e.g. `--only poisson` or `--only latency`
+    # --only: the parts whose name contains it (poisson, convection, bicgstab,
+    # saddle, pytree, latency), e.g. `--only poisson` or `--only latency`
     part = lambda name: args.only in name  # noqa: E731
     b_poisson = jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_poisson, n_poisson)))
     b_cd = jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_cd, n_cd)))
@@ -311,6 +348,7 @@ def main():
     if part("convection"):
         rows += problem(f"convection-diffusion {n_cd}x{n_cd}", convection_diffusion(10.0),
                         nonsymmetric_solvers, b_cd, reference="jax.scipy gmres batched")
+    sweep = bicgstab_sweep((16, 32) if args.small else (128, 512)) if part("bicgstab") else []
     if part("saddle"):
         rows += problem(f"saddle-point {n_sp}x{n_sp} x2", saddle_point, indefinite_solvers,
                         b_sp, reference="jax.scipy gmres batched")
@@ -321,6 +359,13 @@ def main():
               f"{r['compile_vs_jax_scipy']:10.2f} {r['run_s']:8.3f} "
               f"{r['matvecs']:7d} {r['ms_per_matvec']:9.4f} {r['true_relative_residual']:12.2e} "
               f"{r['ratio_to_fastest_peer']:13.2f}")
+    if sweep:
+        print("BiCGStab on one device, convection-diffusion (time to 1e-8, interleaved medians):")
+        for r in sweep:
+            print(f"  {r['n']:4d}^2 strength {r['strength']:6g} (Peclet {r['peclet']:.3f}): "
+                  f"solvax {r['solvax_s']:.4f} s / {r['solvax_matvecs']} matvecs, jax.scipy "
+                  f"{r['jax_scipy_s']:.4f} s / {r['jax_scipy_matvecs']} matvecs: "
+                  f"{r['ratio']:.2f}x")
     compiles = {leaves: pytree_compile(leaves, 64) for leaves in ((1, 4) if args.small
                                                                   else (1, 4, 16))
                 if part("pytree")}
@@ -336,7 +381,8 @@ def main():
               f"{r['all_reduces_per_iteration']:g} collectives/it)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "problems": rows, "pytree_compile_s": compiles,
+            json.dump({"meta": meta, "problems": rows, "bicgstab_one_device": sweep,
+                       "pytree_compile_s": compiles,
                        "latency": lat}, f, indent=1)
         print(f"wrote {args.json}")
     if args.plot:

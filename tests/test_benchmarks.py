@@ -73,6 +73,13 @@ def test_benchmark_peers_small(tmp_path):
                      "jax.scipy bicgstab": 4}, syncs
     base = {r["solver"]: r["ratio_to_jax_scipy"] for r in data["latency"]}
     assert base["jax.scipy cg"] == base["jax.scipy bicgstab"] == 1.0
+    # the one-device BiCGStab sweep: every size and strength, both converged
+    sweep = data["bicgstab_one_device"]
+    assert {(r["n"], r["strength"]) for r in sweep} == {(n, c) for n in (16, 32)
+                                                       for c in (10.0, 100.0, 1000.0)}
+    for r in sweep:
+        assert r["solvax_true_relative_residual"] <= 1e-8, r
+        assert r["ratio"] == pytest.approx(r["solvax_s"] / r["jax_scipy_s"], rel=1e-12)
 
 
 def test_benchmark_tridiagonal_small(tmp_path):

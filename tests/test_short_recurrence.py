@@ -69,6 +69,35 @@ def test_one_sync_bicgstab_stops_at_its_rounding_level():
     assert float(sol.residual_norm) < 1e-9 * float(jnp.linalg.norm(b))
 
 
+def _lanczos_breakdown_after_one_step():
+    """`A = A0 + theta E` with `theta` bisected (to the last bit) so that
+    BiCGStab's second step has `<r0, A p_1> = 0`: its Lanczos part breaks
+    down after one step of progress (three such roots; one taken)."""
+    rng = np.random.default_rng(3)
+    A0 = rng.standard_normal((6, 6)) + 4 * np.eye(6)
+    E, b = rng.standard_normal((6, 6)), rng.standard_normal(6)
+    return A0 - 1.7663901319322246 * E, b
+
+
+def test_bicgstab_restarts_after_a_lanczos_breakdown():
+    """The shadow residual replaced by the current one (no extra matvec or
+    reduction): it converges where it used to stop as BREAKDOWN after one
+    step (jax.scipy divides by the vanished <r0, v> and goes on with a step
+    of rounding). The derivative (a transposed solve) matches the dense one."""
+    A, b = _lanczos_breakdown_after_one_step()
+    Aj, bj = jnp.asarray(A), jnp.asarray(b)
+    sol = jax.jit(lambda b: sx.bicgstab(lambda x: Aj @ x, b, rtol=1e-12))(bj)
+    assert int(sol.status) == Status.CONVERGED, sol.message
+    assert rel_err(sol.x, np.linalg.solve(A, b)) < 1e-10
+    w = np.arange(1.0, 7.0)
+    g = jax.grad(lambda b: jnp.sum(w * sx.bicgstab(lambda x: Aj @ x, b, rtol=1e-12).x))(bj)
+    assert rel_err(g, np.linalg.solve(A.T, w)) < 1e-8
+    # the one-sync recurrences do not restart: their expanded products do not
+    # vanish exactly, and the rounding level they reach is reported
+    one = sx.bicgstab(lambda x: Aj @ x, bj, rtol=1e-12, method="one_sync")
+    assert int(one.status) in (Status.BREAKDOWN, Status.STAGNATION), one.message
+
+
 def test_one_sync_bicgstab_breakdown_is_reported():
     S = np.triu(np.random.default_rng(1).standard_normal((16, 16)), 1)
     S = jnp.asarray(S - S.T)

@@ -31,13 +31,18 @@ class _State(NamedTuple):
     go: jax.Array  # the loop goes on
     status: jax.Array  # RUNNING (also at the step limit) or why the loop stopped
     history: jax.Array | None  # ||r|| at the top of each step (if recorded)
+    shadow: PyTree  # r0, the shadow residual: the residual at the last (re)start
+    shadow_norm: jax.Array  # ||r0||
+    rr: jax.Array  # <r, r> measured at the top of the last step
+    start: jax.Array  # k at the last (re)start: the next step takes beta = 0
+    pending: jax.Array  # <r0, A M p> vanished after progress: restart (`_restart`)
 
 
 class _Context(NamedTuple):
     A: Callable
     M: Callable
     ip: _reduce.Reduction
-    shadow: PyTree  # r0, the fixed shadow residual
+    shadow: PyTree  # r0, the fixed shadow residual (one_sync)
     shadow_norm: jax.Array  # ||r0||
     tol2: jax.Array  # max(atol, rtol ||b||)^2
     max_steps: int
@@ -46,7 +51,7 @@ class _Context(NamedTuple):
 def _directions(st: _State, ctx: _Context):
     """`p = r + beta (p - omega v)`, `M p` and `v = A M p`."""
     ratio = (st.rho / nonzero(st.rho_prev)) * (st.alpha / nonzero(st.omega))
-    beta = jnp.where(st.k == 0, jnp.zeros_like(ratio), ratio)
+    beta = jnp.where(st.k == st.start, jnp.zeros_like(ratio), ratio)
     p = tree.axpy(beta, tree.axpy(-st.omega, st.v, st.p), st.r)
     with jax.named_scope("solvax.bicgstab.precond"):
         phat = ctx.M(p)
@@ -62,18 +67,21 @@ def _step(st: _State, ctx: _Context) -> _State:
     the half-step check `||s||`. A step at the step limit only checks."""
     p, phat, v = _directions(st, ctx)
     with jax.named_scope("solvax.bicgstab.reduce"):
-        rv, rr, vv = ctx.ip.multi_dot([(ctx.shadow, v), (st.r, st.r), (v, v)])
+        rv, rr, vv = ctx.ip.multi_dot([(st.shadow, v), (st.r, st.r), (v, v)])
     rr, vv = jnp.real(rr), jnp.real(vv)
     history = None if st.history is None else st.history.at[st.k].set(_reduce.real_sqrt(rr))
-    alpha = st.rho / nonzero(rv)
+    norm = _reduce.real_sqrt
+    lost_alpha = negligible(rv, st.shadow_norm, norm(vv))  # <r0, A M p> ~ 0
+    # a lost alpha is not applied: s = r, and the step leaves x and r as they are
+    alpha = jnp.where(lost_alpha, jnp.zeros_like(rv), st.rho / nonzero(rv))
     s = tree.axpy(-alpha, v, st.r)
     with jax.named_scope("solvax.bicgstab.precond"):
         shat = ctx.M(s)
     with jax.named_scope("solvax.bicgstab.matvec"):
         t = ctx.A(shat)
     with jax.named_scope("solvax.bicgstab.reduce"):
-        ts, tt, ss, rs, rt = ctx.ip.multi_dot([(t, s), (t, t), (s, s), (ctx.shadow, s),
-                                               (ctx.shadow, t)])
+        ts, tt, ss, rs, rt = ctx.ip.multi_dot([(t, s), (t, t), (s, s), (st.shadow, s),
+                                               (st.shadow, t)])
     tt, ss = jnp.real(tt), jnp.real(ss)
     omega = ts / nonzero(tt).astype(ts.dtype)
     rho = rs - omega * rt
@@ -81,23 +89,45 @@ def _step(st: _State, ctx: _Context) -> _State:
     finite = jnp.isfinite(rr) & jnp.isfinite(jnp.abs(rv)) & jnp.isfinite(ss) & jnp.isfinite(
         jnp.abs(ts))
     half = ss <= ctx.tol2  # s meets the tolerance: x + alpha M p is the answer
-    norm = _reduce.real_sqrt
-    lost_alpha = negligible(rv, ctx.shadow_norm, norm(vv))  # <r0, A M p> ~ 0
     lost_omega = (tt == 0) | negligible(ts, norm(tt), norm(ss))  # t orthogonal to s
     # rho = <r0, r_next> exactly 0 (a small one is no breakdown yet: in float32
     # it reaches rounding level on problems BiCGStab still solves)
     lost_rho = rho == 0
+    # the Lanczos part broke down after progress since the last (re)start:
+    # restart with the current residual as the shadow (`_restart`); without
+    # progress (the operator itself, e.g. skew-symmetric) it is a breakdown
+    restart = lost_alpha & (st.k > st.start)
     status = first_status([(done, Status.CONVERGED), (limit, RUNNING),
-                           (~finite, Status.NONFINITE), (lost_alpha, Status.BREAKDOWN),
-                           (half, Status.CONVERGED),
+                           (~finite, Status.NONFINITE), (restart, RUNNING),
+                           (lost_alpha, Status.BREAKDOWN), (half, Status.CONVERGED),
                            (lost_omega | lost_rho, Status.BREAKDOWN)], RUNNING)
+    pending = restart & (status == RUNNING) & ~limit
     take_alpha = ~done & ~limit & finite & ~lost_alpha
     take_omega = take_alpha & ~half & ~lost_omega
     x = tree.axpy(jnp.where(take_alpha, alpha, jnp.zeros_like(alpha)), phat, st.x)
-    x = tree.axpy(jnp.where(take_omega, omega, jnp.zeros_like(omega)), shat, x)
-    return _State(x=x, r=tree.axpy(-omega, t, s), p=p, v=v, rho=rho, rho_prev=st.rho,
+    omega = jnp.where(take_omega, omega, jnp.zeros_like(omega))
+    x = tree.axpy(omega, shat, x)
+    # r is overwritten after the step's reads of the old r (<r, r> included:
+    # `tree.after`), so in place, not copied every step
+    r = jax.tree_util.tree_map(lambda leaf: leaf + jnp.zeros((), leaf.dtype) * rr.astype(
+        leaf.dtype), tree.axpy(-omega, t, s))
+    return _State(x=x, r=r, p=p, v=v, rho=rho, rho_prev=st.rho,
                   alpha=alpha, omega=omega, k=st.k + take_alpha.astype(jnp.int32),
-                  go=(status == RUNNING) & ~limit, status=status, history=history)
+                  go=(status == RUNNING) & ~limit & ~pending, status=status, history=history,
+                  shadow=st.shadow, shadow_norm=st.shadow_norm, rr=rr, start=st.start,
+                  pending=pending)
+
+
+def _restart(st: _State) -> _State:
+    """BiCGStab restarted from `x` after a breakdown of its Lanczos part
+    (`<r0, A M p>` zero up to rounding): the current residual `r` (not
+    updated by that step) becomes the shadow, so `rho = <r, r>`, measured
+    by the step; no matvec and no reduction."""
+    zeros = tree.zeros_like(st.r)
+    one = jnp.ones_like(st.rho)
+    return st._replace(p=zeros, v=zeros, rho=st.rr.astype(st.rho.dtype), rho_prev=one,
+                       alpha=one, omega=one, shadow=st.r, shadow_norm=_reduce.real_sqrt(st.rr),
+                       start=st.k, pending=jnp.zeros_like(st.pending), go=jnp.ones_like(st.go))
 
 
 def _start(problem: Problem):
@@ -243,9 +273,13 @@ def _run(problem: Problem, *, method: str, max_steps: int | None,
     state = _State(x=x, r=r, p=tree.zeros_like(r), v=tree.zeros_like(r), rho=rr.astype(one.dtype),
                    rho_prev=one, alpha=one, omega=one, k=jnp.int32(0), go=jnp.bool_(True),
                    status=jnp.int32(RUNNING), history=problem.history(max_steps + 1,
-                                                                      record_history))
-    state = _method.while_loop(problem.ip, problem.b, lambda st: st.go,
-                               functools.partial(_step, ctx=ctx), state)
+                                                                      record_history),
+                   shadow=r, shadow_norm=ctx.shadow_norm, rr=rr, start=jnp.int32(0),
+                   pending=jnp.bool_(False))
+    # steps in rounds, each after a restart where the last one asked for it
+    state = _method.confirmed_rounds(problem.ip, problem.b, state, checks=lambda st: st,
+                                     going=lambda st: st.go,
+                                     step=functools.partial(_step, ctx=ctx), restart=_restart)
     return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history)
 
 
@@ -284,10 +318,15 @@ def bicgstab(
          residual check share the other products' reductions.
       2. Right preconditioning: the residual tested is `b - A x` itself.
       3. `converged` is decided on the true residual after the loop; a
-         `<r0, v>` or `<t, s>` that is zero up to rounding (below `10 eps`
-         times the norms, which the reductions carry), or a `rho` that is
-         exactly zero, stops the loop as `Status.BREAKDOWN` instead of
-         dividing by it (restart from `x`, or use `gmres`).
+         `<r0, v>` that is zero up to rounding (below `10 eps` times the
+         norms, which the reductions carry) after progress restarts the
+         method from `x` with the current residual as the shadow (no extra
+         matvec or reduction; jax.scipy divides by it and goes on with a
+         step made of rounding); one with no progress since the last
+         (re)start, a `<t, s>` zero up to rounding or a `rho` that is
+         exactly zero stops the loop as `Status.BREAKDOWN` instead of
+         dividing by it (use `gmres`). The `one_sync` method does not
+         restart.
       4. Differentiable by implicit differentiation: one more BiCGStab solve
          with the transposed operator.
 

@@ -357,12 +357,14 @@ def _arnoldi(A, b, *, precond, ip, m, orthogonalization):
 def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int) -> _Outer:
     """One restart: the true residual, then (if it is not done) one Arnoldi
     cycle and the update of `x`."""
-    b = problem.b
     with jax.named_scope("solvax.gmres.residual"):
-        Ax = problem.A(st.x)
+        # b tied to x: its norm rides in this reduction (a loop-invariant
+        # product of its own would be hoisted out of the loop by XLA, into a
+        # synchronization of its own)
+        b, x = jax.lax.optimization_barrier((problem.b, st.x))
+        Ax = problem.A(x)
         r = tree.sub(b, Ax)
-        rr, bb, axax, xx = jnp.real(problem.ip.multi_dot([(r, r), (b, b), (Ax, Ax),
-                                                          (st.x, st.x)]))
+        rr, bb, axax, xx = jnp.real(problem.ip.multi_dot([(r, r), (b, b), (Ax, Ax), (x, x)]))
     beta = _reduce.real_sqrt(rr)
     tol = _driver.threshold(bb, *problem.tolerances())
     zero_b = bb == 0  # b = 0: the answer is exactly 0, whatever x0

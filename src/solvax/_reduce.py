@@ -195,6 +195,9 @@ class InnerProduct(Reduction):
     def multi_dot(self, pairs: Sequence[Pair]) -> jax.Array:
         # The k products stacked on a new leading axis: one sum over the vector
         # axes, hence one reduction of a k-vector by construction.
+        if self._separate_kernels():
+            return self._global_sum([jnp.stack([jnp.sum(p) for p in products])
+                                     for products in self._pair_leaves(pairs)])
         return self._global_sum([_sum_vector_axes(jnp.stack(products))
                                  for products in self._pair_leaves(pairs)])
 
