@@ -39,6 +39,9 @@ from ._precond import jacobi as jacobi
 from ._reduce import InnerProduct as InnerProduct
 from ._solution import Solution as Solution
 from ._solution import Status as Status
+from ._stencil import StencilOperator as StencilOperator
+from ._stencil import diffusion_operator as diffusion_operator
+from ._stencil import stencil_operator as stencil_operator
 from ._tridiagonal import cyclic_tridiagonal_solve
 from ._tridiagonal import tridiagonal_solve as tridiagonal_solve
 
@@ -55,11 +58,13 @@ __all__ = [
     "InnerProduct",
     "Solution",
     "Status",
+    "StencilOperator",
     "block_jacobi",
     "chebyshev",
     "count_collectives",
     "cyclic_block_tridiagonal_solve",
     "cyclic_tridiagonal_solve",
+    "diffusion_operator",
     "estimate_spectrum",
     "gmres",
     "idrs",
@@ -72,5 +77,6 @@ __all__ = [
     "pcg_linear_solve",
     "shard_batch",
     "shard_map",
+    "stencil_operator",
     "tridiagonal_solve",
 ]

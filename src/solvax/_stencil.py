@@ -1,0 +1,301 @@
+"""Structured-grid operators that know their stencil.
+
+A `StencilOperator` is `y[i] = sum over offsets o of entries[o][i] * x[i + o]`
+on a 1-, 2- or 3-D grid, with what lies outside the grid set per axis by the
+boundary: `"dirichlet"` (zero), `"neumann"` (the boundary value repeated) or
+`"periodic"` (wrapped). It is a pytree (its entries are leaves, so they may
+be traced: a new coefficient field every time step) and a callable, usable
+as the `matvec` of every solver. Each shifted copy of `x` is a slice of one
+padded array: under `jit` with `x` sharded, XLA's partitioner turns the pad
+and slices of a sharded axis into halo exchanges (collective-permutes), and
+no vector is gathered (`tests/test_stencil.py` pins it).
+
+`diffusion_operator` builds the cell-centred finite-volume `-div(k grad u) +
+shift u` as such an operator, so that its stencil is known to what is built
+on it (a multigrid hierarchy coarsens stencils, not matrices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _checks
+
+BOUNDARIES = ("dirichlet", "neumann", "periodic")
+_PAD_MODE = {"neumann": "edge", "periodic": "wrap"}
+
+
+@jax.tree_util.register_pytree_node_class
+class StencilOperator:
+    """`x -> sum_o entries[o] * shift(x, o)` on a grid (see `stencil_operator`).
+
+    Attributes:
+        entries: offset tuple -> coefficient array of the grid's shape (or a
+            scalar for a constant coefficient).
+        shape: the grid's shape.
+        boundary: one of `BOUNDARIES` per axis.
+    """
+
+    def __init__(self, entries: dict, shape: tuple, boundary: tuple):
+        self.entries = entries
+        self.shape = shape
+        self.boundary = boundary
+
+    def tree_flatten(self):
+        offsets = tuple(self.entries)
+        return tuple(self.entries[o] for o in offsets), (offsets, self.shape, self.boundary)
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves):
+        offsets, shape, boundary = aux
+        return cls(dict(zip(offsets, leaves)), shape, boundary)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __call__(self, x):
+        if jnp.shape(x) != self.shape:
+            raise ValueError(f"the stencil operator acts on arrays of shape {self.shape}; got "
+                             f"{jnp.shape(x)}.")
+        dtype = jnp.result_type(x, *self.entries.values())
+        shifts = _shifts(x.astype(dtype), list(self.entries), self.boundary)
+        y = None
+        for k, coefficient in enumerate(self.entries.values()):
+            term = coefficient * shifts[k]
+            y = term if y is None else y + term
+        return y
+
+    def diagonal(self):
+        """The operator's diagonal (the centre entry), an array of the grid's shape."""
+        centre = self.entries.get((0,) * self.ndim, 0.0)
+        dtype = jnp.result_type(*self.entries.values())
+        return jnp.broadcast_to(jnp.asarray(centre, dtype), self.shape)
+
+    def __repr__(self):
+        return (f"StencilOperator(shape={self.shape}, offsets={sorted(self.entries)}, "
+                f"boundary={self.boundary})")
+
+
+def _shifts(x, offsets: list, boundary: tuple) -> list:
+    """`[x[i + o] for each offset o]`, each built from unit shifts along one
+    axis at a time (memoized: `(2, 0)` is `(1, 0)` shifted once more). A unit
+    shift pads one side of its axis by one (zero, edge or wrap) and slices:
+    XLA's partitioner turns that into one collective-permute on a sharded
+    axis. (Padding every axis at once and slicing each offset from it cost
+    6 collective-permutes instead of 2 for a 5-point stencil on P('i', None),
+    8 instead of 4 on P('i', 'j'); one convolution with a one-hot kernel per
+    offset took 2.5 ms per 512 x 512 matvec on the CPU against 1.1 ms.)"""
+    memo = {(0,) * x.ndim: x}
+
+    def shifted(offset):
+        if offset not in memo:
+            axis = max(a for a, o in enumerate(offset) if o)
+            step = 1 if offset[axis] > 0 else -1
+            previous = tuple(o - step if a == axis else o for a, o in enumerate(offset))
+            memo[offset] = _unit_shift(shifted(previous), axis, step, boundary[axis])
+        return memo[offset]
+
+    return [shifted(offset) for offset in offsets]
+
+
+def _unit_shift(x, axis: int, step: int, kind: str):
+    """`x[i + step]` along `axis` (`step` = +1 or -1), outside the grid as `kind` says."""
+    pads = [(0, 0)] * x.ndim
+    pads[axis] = (0, 1) if step > 0 else (1, 0)
+    if kind == "dirichlet":
+        xp = jnp.pad(x, pads)
+    else:
+        xp = jnp.pad(x, pads, mode=_PAD_MODE[kind])
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(1, None) if step > 0 else slice(0, -1)
+    return xp[tuple(index)]
+
+
+def stencil_operator(entries: Mapping, *, shape: tuple | None = None,
+                     boundary: str | tuple = "dirichlet") -> StencilOperator:
+    """A structured-grid operator given by its stencil.
+
+    `y[i] = sum over offsets o of entries[o][i] * x[i + o]`, for `i` over a
+    1-, 2- or 3-D grid; `x[j]` for `j` outside the grid is given by the
+    boundary of that axis: `"dirichlet"` (0), `"neumann"` (the nearest
+    boundary value) or `"periodic"` (wrapped).
+
+    Example:
+        ```python
+        five_point = sx.stencil_operator(
+            {(0, 0): 4.0, (1, 0): -1.0, (-1, 0): -1.0, (0, 1): -1.0, (0, -1): -1.0},
+            shape=(64, 64))
+        sol = sx.pcg(five_point, b)
+        ```
+
+    Args:
+        entries: a mapping from offset tuples (one int per grid axis) to the
+            coefficients: arrays of the grid's shape (variable coefficients,
+            sharded like `x`, possibly traced) or scalars (constant ones).
+        shape: the grid's shape; needed only when every entry is a scalar.
+        boundary: one of `"dirichlet"`, `"neumann"`, `"periodic"`, or a tuple
+            of them, one per axis.
+
+    Returns:
+        A `StencilOperator`: a callable `x -> A x` (usable as any solver's
+        `matvec`) and a pytree, with `diagonal()`.
+
+    Raises:
+        TypeError, ValueError: entries that are not such a mapping, offsets
+            of the wrong length, coefficient arrays of another shape, an
+            unknown boundary.
+    """
+    if not isinstance(entries, Mapping) or not entries:
+        raise TypeError("`entries` must be a non-empty mapping from offset tuples to "
+                        f"coefficients, e.g. {{(0,): 2.0, (1,): -1.0, (-1,): -1.0}}; got "
+                        f"{type(entries).__name__}.")
+    arrays = {o: c for o, c in entries.items() if jnp.ndim(c) > 0}
+    shapes = {tuple(jnp.shape(c)) for c in arrays.values()}
+    if shape is None:
+        if not shapes:
+            raise ValueError("every entry is a scalar: pass the grid's `shape`.")
+        shape = next(iter(shapes))
+    shape = tuple(int(n) for n in shape)
+    if not 1 <= len(shape) <= 3 or min(shape) < 1:
+        raise ValueError(f"`shape` must be a 1-, 2- or 3-D grid shape; got {shape}.")
+    if shapes - {shape}:
+        raise ValueError(f"coefficient arrays in `entries` must have the grid's shape {shape} "
+                         f"(or be scalars); got shapes {sorted(shapes)}.")
+    clean = {}
+    for offset, coefficient in entries.items():
+        if not (isinstance(offset, tuple) and len(offset) == len(shape)
+                and all(isinstance(o, int | np.integer) for o in offset)):
+            raise ValueError(f"offsets in `entries` must be tuples of {len(shape)} ints (one "
+                             f"per grid axis); got {offset!r}.")
+        if any(abs(int(o)) >= n for o, n in zip(offset, shape)):
+            raise ValueError(f"offset {offset!r} in `entries` reaches past the grid {shape}.")
+        coefficient = jnp.asarray(coefficient)
+        if not jnp.issubdtype(coefficient.dtype, jnp.inexact):
+            coefficient = coefficient.astype(jnp.result_type(float))
+        clean[tuple(int(o) for o in offset)] = coefficient
+    return StencilOperator(clean, shape, _boundaries(boundary, len(shape)))
+
+
+def _boundaries(boundary, ndim: int) -> tuple:
+    """`boundary` as one name per axis, each checked."""
+    names = (boundary,) * ndim if isinstance(boundary, str) else tuple(boundary)
+    if len(names) != ndim:
+        raise ValueError(f"`boundary` must be one name or {ndim} (one per axis); got "
+                         f"{boundary!r}.")
+    for name in names:
+        _checks.check_choice("boundary", name, BOUNDARIES)
+    return names
+
+
+def diffusion_operator(k: Any, *, shape: tuple | None = None, spacing: Any = 1.0,
+                       boundary: str | tuple = "dirichlet", shift: Any = 0.0
+                       ) -> StencilOperator:
+    """The cell-centred finite-volume `-div(k grad u) + shift * u` on a grid.
+
+    The flux through the face between neighbouring cells `i` and `i + e_a` is
+    `k_face (u_i - u_{i+e_a}) / h_a^2` per unit cell, with `k_face` the
+    harmonic mean `2 k_i k_j / (k_i + k_j)` of the two cells (so a
+    coefficient that jumps by orders of magnitude stays conservative). On a
+    `"dirichlet"` boundary the face lies half a cell out, where `u = 0`
+    (`2 k_i u_i / h_a^2`); `"neumann"`: no flux; `"periodic"`: the faces
+    wrap. Symmetric; positive definite for Dirichlet boundaries or
+    `shift > 0`.
+
+    Example:
+        ```python
+        A = sx.diffusion_operator(k_field, spacing=1 / 256)  # k_field: (256, 256)
+        sol = sx.pcg(A, f, precond=sx.jacobi(A.diagonal()))
+        ```
+
+    Args:
+        k: the diffusion coefficient: a positive scalar, an array of the
+            grid's shape, or a tuple of them, one per axis (anisotropic,
+            e.g. `k=(1e-3, 1.0)`); may be traced.
+        shape: the grid's shape; needed only when `k` has no array.
+        spacing: the cell size, one number or one per axis.
+        boundary: `"dirichlet"`, `"neumann"`, `"periodic"` or one per axis.
+        shift: a scalar or an array of the grid's shape added to the diagonal.
+
+    Returns:
+        A `StencilOperator` with the `2 ndim + 1` offsets of the 3-, 5- or
+        7-point stencil.
+
+    Raises:
+        TypeError, ValueError: `k` or `shift` arrays of another shape, a
+            `k` tuple of the wrong length, a concrete `k` that is not
+            positive, a non-positive spacing, an unknown boundary.
+    """
+    per_axis = isinstance(k, tuple | list)
+    ks = list(k) if per_axis else None
+    arrays = [c for c in (ks if per_axis else [k]) + [shift] if jnp.ndim(c) > 0]
+    shapes = {tuple(jnp.shape(c)) for c in arrays}
+    if shape is None:
+        if not shapes:
+            raise ValueError("`k` and `shift` are scalars: pass the grid's `shape`.")
+        shape = next(iter(shapes))
+    shape = tuple(int(n) for n in shape)
+    ndim = len(shape)
+    if not 1 <= ndim <= 3 or min(shape) < 1:
+        raise ValueError(f"`shape` must be a 1-, 2- or 3-D grid shape; got {shape}.")
+    if shapes - {shape}:
+        raise ValueError(f"`k` and `shift` arrays must have the grid's shape {shape}; got "
+                         f"shapes {sorted(shapes)}.")
+    if per_axis and len(ks) != ndim:
+        raise ValueError(f"`k` as a tuple gives one coefficient per axis: {ndim} for the grid "
+                         f"{shape}; got {len(ks)}.")
+    ks = ks if per_axis else [k] * ndim
+    for c in ks:
+        if not isinstance(c, jax.core.Tracer) and not np.all(np.asarray(c) > 0):
+            raise ValueError("`k` must be positive (a diffusion coefficient).")
+    h = spacing if isinstance(spacing, tuple | list) else (spacing,) * ndim
+    if len(h) != ndim or not all(float(v) > 0 for v in h):
+        raise ValueError(f"`spacing` must be positive, one number or {ndim}; got {spacing!r}.")
+    bounds = _boundaries(boundary, ndim)
+    dtype = jnp.result_type(*ks, shift)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        dtype = jnp.result_type(float)
+    centre = jnp.broadcast_to(jnp.asarray(shift, dtype), shape)
+    entries = {}
+    for axis in range(ndim):
+        kc = jnp.broadcast_to(jnp.asarray(ks[axis], dtype), shape)
+        scale = 1.0 / float(h[axis]) ** 2
+        for side in (1, -1):
+            face = _face_coefficient(kc, axis, side, bounds[axis]) * scale
+            offset = tuple(side if a == axis else 0 for a in range(ndim))
+            entries[offset] = (-face * _interior(shape, axis, side, bounds[axis])).astype(dtype)
+            centre = centre + face
+    entries[(0,) * ndim] = centre.astype(dtype)
+    return StencilOperator(entries, shape, bounds)
+
+
+def _face_coefficient(kc, axis: int, side: int, boundary: str):
+    """Per cell, the coefficient of its face on `side` (+1 or -1) of `axis`:
+    the harmonic mean with the neighbour; at the grid's edge `2 k` (Dirichlet,
+    the face half a cell out), 0 (Neumann) or the wrapped neighbour's mean."""
+    neighbour = jnp.roll(kc, -side, axis=axis)
+    mean = 2 * kc * neighbour / (kc + neighbour)
+    if boundary == "periodic":
+        return mean
+    edge = _edge_mask(kc.shape, axis, side)
+    return jnp.where(edge, 2 * kc if boundary == "dirichlet" else 0.0, mean)
+
+
+def _edge_mask(shape: tuple, axis: int, side: int) -> np.ndarray:
+    """True at the cells whose `side` face on `axis` is the grid's edge."""
+    index = np.arange(shape[axis])
+    edge = index == (shape[axis] - 1 if side == 1 else 0)
+    return edge.reshape([-1 if a == axis else 1 for a in range(len(shape))])
+
+
+def _interior(shape: tuple, axis: int, side: int, boundary: str):
+    """1 where the neighbour on `side` of `axis` is a cell of the grid (or
+    wrapped), 0 at the edge: the off-diagonal entry there couples to nothing."""
+    if boundary == "periodic":
+        return 1.0
+    return np.where(_edge_mask(shape, axis, side), 0.0, 1.0)
