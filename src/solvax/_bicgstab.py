@@ -107,10 +107,9 @@ def _step(st: _State, ctx: _Context) -> _State:
     x = tree.axpy(jnp.where(take_alpha, alpha, jnp.zeros_like(alpha)), phat, st.x)
     omega = jnp.where(take_omega, omega, jnp.zeros_like(omega))
     x = tree.axpy(omega, shat, x)
-    # r is overwritten after the step's reads of the old r (<r, r> included:
-    # `tree.after`), so in place, not copied every step
-    r = jax.tree_util.tree_map(lambda leaf: leaf + jnp.zeros((), leaf.dtype) * rr.astype(
-        leaf.dtype), tree.axpy(-omega, t, s))
+    # r is overwritten after every read of the old r, <r, r> included: in
+    # place, not copied every step
+    r = tree.after(tree.axpy(-omega, t, s), rr)
     return _State(x=x, r=r, p=p, v=v, rho=rho, rho_prev=st.rho,
                   alpha=alpha, omega=omega, k=st.k + take_alpha.astype(jnp.int32),
                   go=(status == RUNNING) & ~limit & ~pending, status=status, history=history,

@@ -52,7 +52,8 @@ def axpy(a, x: PyTree, y: PyTree) -> PyTree:
 
 
 def after(x: PyTree, dep: PyTree) -> PyTree:
-    """`x`, made data-dependent on `dep` (`x + 0 * dep`, leaf by leaf).
+    """`x`, made data-dependent on `dep` (`x + 0 * dep`, leaf by leaf; `dep`
+    shaped like `x` or a scalar).
 
     A loop body that reads an old vector to build `dep` and also overwrites
     that vector with `x` leaves XLA two unordered readers of the old buffer,
@@ -61,6 +62,8 @@ def after(x: PyTree, dep: PyTree) -> PyTree:
     for finite `dep`; a non-finite `dep` makes `x` non-finite too (which the
     solvers report as `NONFINITE`).
     """
+    if isinstance(dep, jax.Array | jax.core.Tracer) and jnp.ndim(dep) == 0:  # a scalar
+        return tree_map(lambda u: u + jnp.zeros((), u.dtype) * dep.astype(u.dtype), x)
     return tree_map(lambda u, v: u + jnp.zeros((), u.dtype) * v.astype(u.dtype), x, dep)
 
 
