@@ -26,6 +26,8 @@ from ._gmres import gmres as gmres
 from ._idrs import idrs as idrs
 from ._linear_solve import linear_solve as linear_solve
 from ._minres import minres as minres
+from ._multigrid import Multigrid as Multigrid
+from ._multigrid import multigrid as multigrid
 from ._parallel import shard_batch as shard_batch
 from ._parallel import shard_map as shard_map
 from ._partitioned import (
@@ -71,6 +73,8 @@ __all__ = [
     "jacobi",
     "linear_solve",
     "minres",
+    "Multigrid",
+    "multigrid",
     "partitioned_block_tridiagonal_solve",
     "partitioned_tridiagonal_solve",
     "pcg",

@@ -1,0 +1,406 @@
+"""Geometric multigrid on structured grids, built from stencils.
+
+A hierarchy of `StencilOperator`s: each coarse operator is the Galerkin
+product `R A P` computed in stencil form, by probing (with the coarse grid
+coloured so that no two points of one colour are neighbours, `R A P` applied
+to each colour's indicator gives every stencil entry at once), so variable,
+discontinuous and anisotropic coefficients coarsen as the operator says, and
+set-up is array algebra that runs under `jit` with traced coefficients.
+
+Transfers are linear interpolation along each coarsened axis (coarse point
+`j` is fine point `2 j + 1`; the boundary extends the coarse grid as the
+operator's boundary does) and restriction its exact transpose
+(`jax.linear_transpose`), so a V-cycle with matching pre- and post-smoothing
+is symmetric. Everything in a cycle is elementwise work, one-sided pads and
+slices (halos: collective-permutes on a sharded axis), and reshapes that
+interleave or split the points of an axis; nothing reduces. The coarsest
+level is solved directly with a (pseudo-)inverse computed at set-up.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _checks, _precond
+from ._stencil import StencilOperator, _unit_shift
+
+CYCLES = ("V", "W")
+SMOOTHERS = ("jacobi", "chebyshev")
+_EXTEND = {"dirichlet": "dirichlet", "neumann": "neumann", "periodic": "periodic"}
+
+
+def _prolong_axis(c, axis: int, n: int, kind: str, weights):
+    """Interpolation along `axis` from `nc` coarse points to `n` fine ones
+    (`n` is `2 nc` or `2 nc + 1`): fine `2 j + 1` is coarse `j`; fine `2 j`
+    is `w_minus * c[j - 1] + w_plus * c[j]`, the coarse grid extended past its
+    ends as `kind` says. `weights` holds `(w_minus, w_plus)` at the fine even
+    points (`n - nc` of them along `axis`)."""
+    nc = c.shape[axis]
+    w_minus, w_plus = weights
+    left = _unit_shift(c, axis, -1, kind)            # c[j - 1]
+    index = [slice(None)] * c.ndim
+    index[axis] = slice(0, nc)
+    head = tuple(index)
+    evens = w_minus[head] * left + w_plus[head] * c   # fine 2 j, j < nc
+    fine = jnp.stack([evens, c], axis=axis + 1)
+    fine = fine.reshape(c.shape[:axis] + (2 * nc,) + c.shape[axis + 1:])
+    if n == 2 * nc:
+        return fine
+    index[axis] = slice(nc - 1, nc)
+    last = c[tuple(index)]                            # fine 2 nc, between c[nc-1] and outside
+    outside = last if kind == "neumann" else 0.0 * last
+    index[axis] = slice(nc, nc + 1)
+    tail = tuple(index)
+    return jnp.concatenate([fine, w_minus[tail] * last + w_plus[tail] * outside], axis=axis)
+
+
+def _coarse_shape(shape: tuple, axes: tuple) -> tuple:
+    return tuple(n // 2 if a in axes else n for a, n in enumerate(shape))
+
+
+@jax.tree_util.register_pytree_node_class
+class _Transfer:
+    """Prolongation from the grid coarsened along `axes` to `shape`, one axis
+    at a time, and restriction, its exact transpose."""
+
+    def __init__(self, weights: list, shape: tuple, axes: tuple, boundary: tuple):
+        self.weights, self.shape, self.axes, self.boundary = weights, shape, axes, boundary
+
+    def tree_flatten(self):
+        return (self.weights,), (self.shape, self.axes, self.boundary)
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves):
+        return cls(leaves[0], *aux)
+
+    @property
+    def coarse_shape(self) -> tuple:
+        return _coarse_shape(self.shape, self.axes)
+
+    def prolong(self, c):
+        for axis, weights in zip(self.axes, self.weights):
+            c = _prolong_axis(c, axis, self.shape[axis], self.boundary[axis], weights)
+        return c
+
+    def restrict(self, r):
+        template = jax.ShapeDtypeStruct(self.coarse_shape, r.dtype)
+        (rc,) = jax.linear_transpose(self.prolong, template)(r)
+        return rc
+
+
+def _transfer(op: StencilOperator, axes: tuple) -> _Transfer:
+    """Operator-dependent interpolation (Dendy's black-box multigrid, one axis
+    at a time): along axis `a`, a fine point between two coarse ones takes
+    them with weights `|a_-| / |a_0|` and `|a_+| / |a_0|`, the stencil
+    collapsed onto the axis (entries summed over the other axes' offsets),
+    so the interpolation follows the flux across a coefficient jump (and is
+    linear, 1/2 and 1/2, for a constant coefficient)."""
+    shape = op.shape
+    weights = []
+    for t, axis in enumerate(axes):
+        collapsed = {s: 0.0 for s in (-1, 0, 1)}
+        for o, c in op.entries.items():
+            collapsed[o[axis]] = collapsed[o[axis]] + jnp.broadcast_to(c, shape)
+        centre = jnp.abs(collapsed[0])
+        safe = jnp.where(centre > 0, centre, 1)
+        pair = []
+        for s in (-1, 1):
+            w = jnp.where(centre > 0, jnp.abs(collapsed[s]) / safe, 0.5)
+            # the points this step interpolates: fine even points along `axis`,
+            # fine along the axes already prolonged, coarse (odd) along the rest
+            index = [slice(None)] * len(shape)
+            index[axis] = slice(0, None, 2)
+            for later in axes[t + 1:]:
+                index[later] = slice(1, 2 * (shape[later] // 2), 2)
+            pair.append(w[tuple(index)])
+        weights.append(tuple(pair))
+    return _Transfer(weights, shape, axes, op.boundary)
+
+
+def _coarse_boundary(boundary: tuple) -> tuple:
+    """Coarse operators carry their boundary in their entries (they are the
+    matrices `R A P`); only a periodic axis still wraps."""
+    return tuple("periodic" if b == "periodic" else "dirichlet" for b in boundary)
+
+
+def _colours(nc: int, periodic: bool) -> int:
+    """A number of colours `m` for an axis of `nc` coarse points such that
+    `j - 1`, `j`, `j + 1` (wrapped on a periodic axis) differ mod `m`."""
+    if not periodic or nc <= 3:
+        return min(3, nc)
+    return next(m for m in range(3, nc + 1) if nc % m not in (1, 2))
+
+
+def _galerkin(op: StencilOperator, transfer: _Transfer) -> StencilOperator:
+    """`R A P` as a stencil (offsets in {-1, 0, 1} per axis), by probing: one
+    probe per colour, all applied at once (vmapped)."""
+    boundary = op.boundary
+    shape = transfer.coarse_shape
+    dtype = jnp.result_type(*op.entries.values())
+    mods = [_colours(n, b == "periodic") for n, b in zip(shape, boundary)]
+    grids = np.meshgrid(*[np.arange(n) for n in shape], indexing="ij")
+    colours = list(itertools.product(*[range(m) for m in mods]))
+    probes = np.stack([np.logical_and.reduce([g % m == c for g, c, m in zip(grids, colour, mods)])
+                       for colour in colours])
+    columns = jax.vmap(lambda p: transfer.restrict(op(transfer.prolong(p))))(
+        jnp.asarray(probes, dtype))
+    entries = {}
+    for o in itertools.product((-1, 0, 1), repeat=len(shape)):
+        if any(abs(v) >= n for v, n in zip(o, shape)):
+            continue
+        # row i's entry at offset o is A_c[i, i + o]: the probe of the colour
+        # of i + o (wrapped on a periodic axis) holds it; 0 where i + o is off the grid
+        which = np.zeros(shape, np.int32)
+        inside = np.ones(shape, bool)
+        for g, m, v, n, b in zip(grids, mods, o, shape, boundary):
+            j = (g + v) % n if b == "periodic" else g + v
+            inside &= (j >= 0) & (j < n)
+            which = which * m + j % m
+        pick = np.arange(len(colours)).reshape((-1,) + (1,) * len(shape)) == which
+        entries[o] = jnp.sum(jnp.asarray(pick & inside, dtype) * columns, axis=0)
+    return StencilOperator(entries, shape, _coarse_boundary(boundary))
+
+
+def _is_concrete(op: StencilOperator) -> bool:
+    return not any(isinstance(c, jax.core.Tracer) for c in op.entries.values())
+
+
+def _strengths(op: StencilOperator) -> list:
+    """Per axis, the mean coupling of a point to its two neighbours on that axis."""
+    out = []
+    for axis in range(op.ndim):
+        total = 0.0
+        for o, c in op.entries.items():
+            if o[axis] != 0 and sum(map(abs, o)) == 1:
+                total += float(jnp.mean(jnp.abs(jnp.broadcast_to(c, op.shape))))
+        out.append(total)
+    return out
+
+
+def _axes_to_coarsen(op: StencilOperator, threshold: float) -> tuple:
+    """The axes to coarsen below `op`: those with at least 3 points (an even
+    number on a periodic axis) whose coupling is at least `threshold` times
+    the strongest coarsenable one's (semicoarsening where the operator is
+    anisotropic; every axis when the coefficients are traced)."""
+    able = [a for a, (n, b) in enumerate(zip(op.shape, op.boundary))
+            if n >= 3 and not (b == "periodic" and n % 2)]
+    if not able or not _is_concrete(op):
+        return tuple(able)
+    s = _strengths(op)
+    strongest = max(s[a] for a in able)
+    if not strongest > 0:
+        return tuple(able)
+    return tuple(a for a in able if s[a] >= threshold * strongest)
+
+
+def _smoothing_data(op: StencilOperator):
+    """`(D^{-1}, lambda_max)` for a level: the largest eigenvalue of `D^{-1} A`
+    bounded by the smaller of Gershgorin's bound (`1 + max_i sum_j |a_ij| /
+    |a_ii|`) and 1.1 times a 10-step Lanczos estimate from a fixed rough
+    start (set-up only; its reductions are not in the cycle)."""
+    diag = op.diagonal()
+    dinv = 1 / diag
+    off = sum(jnp.abs(jnp.broadcast_to(c, op.shape)) for o, c in op.entries.items() if any(o))
+    gershgorin = 1 + jnp.max(off * jnp.abs(dinv))
+    size = math.prod(op.shape)
+    v = jnp.asarray(np.sin(np.arange(size) * 2.399963 + 0.3).reshape(op.shape), diag.dtype)
+    root = jnp.sqrt(jnp.abs(dinv))
+    _, ritz = _precond.estimate_spectrum(lambda u: root * op(root * u), v, steps=10)
+    lmax = jnp.where(jnp.isfinite(ritz), jnp.minimum(1.1 * ritz, gershgorin), gershgorin)
+    return dinv, lmax.astype(gershgorin.dtype)
+
+
+def _dense_inverse(op: StencilOperator):
+    """The pseudo-inverse of the coarsest operator as a dense matrix."""
+    size = math.prod(op.shape)
+    dtype = jnp.result_type(*op.entries.values())
+    eye = jnp.eye(size, dtype=dtype).reshape((size,) + op.shape)
+    columns = jax.vmap(op)(eye).reshape(size, size)   # row k: A e_k
+    return jnp.linalg.pinv(columns.T)
+
+
+def _jitted(fn, *static):
+    """`fn` compiled (set-up steps run as one program each when called eagerly;
+    under an enclosing `jit` they are inlined)."""
+    return jax.jit(fn, static_argnums=static)
+
+
+@jax.tree_util.register_pytree_node_class
+class _Level:
+    """One level: its operator, its smoothing data (`D^{-1}`, `lambda_max` of
+    `D^{-1} A`) and the transfer to the level below (None on the coarsest)."""
+
+    def __init__(self, op: StencilOperator, dinv, lmax, transfer):
+        self.op, self.dinv, self.lmax, self.transfer = op, dinv, lmax, transfer
+
+    def tree_flatten(self):
+        return (self.op, self.dinv, self.lmax, self.transfer), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves):
+        return cls(*leaves)
+
+
+@jax.tree_util.register_pytree_node_class
+class Multigrid:
+    """A multigrid cycle `r -> z ~ A^{-1} r` (see `multigrid`)."""
+
+    def __init__(self, levels: list, coarse_inverse, cycle: str, smoother: str, steps: int,
+                 lower: float):
+        self.levels = levels
+        self.coarse_inverse = coarse_inverse
+        self.cycle, self.smoother, self.steps, self.lower = cycle, smoother, steps, lower
+
+    def tree_flatten(self):
+        return (self.levels, self.coarse_inverse), (self.cycle, self.smoother, self.steps,
+                                                     self.lower)
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves):
+        return cls(*leaves, *aux)
+
+    @property
+    def shapes(self) -> list:
+        """The grid shape of every level, finest first."""
+        return [lv.op.shape for lv in self.levels]
+
+    def __call__(self, r):
+        shape = self.levels[0].op.shape
+        if jnp.shape(r) != shape:
+            raise ValueError(f"the multigrid preconditioner acts on arrays of the grid's shape "
+                             f"{shape}; got {jnp.shape(r)}.")
+        dtype = jnp.result_type(r, self.coarse_inverse)
+        return self._cycle(0, r.astype(dtype)).astype(r.dtype)
+
+    def _cycle(self, k: int, r):
+        if k == len(self.levels) - 1:
+            z = self.coarse_inverse.astype(r.dtype) @ r.reshape(-1)
+            return z.reshape(r.shape)
+        level = self.levels[k]
+        x = self._smooth(level, None, r)
+        coarse = self.levels[k + 1]
+        rc = level.transfer.restrict(r - level.op(x))
+        e = self._cycle(k + 1, rc)
+        if self.cycle == "W" and k + 2 < len(self.levels):
+            e = e + self._cycle(k + 1, rc - coarse.op(e))
+        x = x + level.transfer.prolong(e)
+        return self._smooth(level, x, r)
+
+    def _smooth(self, level: _Level, x, r):
+        """`steps` steps of the smoother for `A x = r` from `x` (zero if None)."""
+        op, dinv = level.op, level.dinv.astype(r.dtype)
+        lmax = level.lmax.astype(jnp.abs(r).dtype)
+        if self.smoother == "jacobi":
+            omega = 4 / (3 * lmax)
+            for _ in range(self.steps):
+                res = r if x is None else r - op(x)
+                x = omega * dinv * res if x is None else x + omega * dinv * res
+            return x
+        # Chebyshev in D^{-1} A on [lower * lmax, lmax] (Saad, Alg. 12.1)
+        upper = 1.1 * lmax
+        low = self.lower * upper
+        theta, delta = (upper + low) / 2, (upper - low) / 2
+        res = r if x is None else r - op(x)
+        d = dinv * res / theta
+        x = d if x is None else x + d
+        rho = delta / theta
+        for _ in range(self.steps - 1):
+            res = res - op(d)
+            rho_next = 1 / (2 * theta / delta - rho)
+            d = rho_next * rho * d + (2 * rho_next / delta) * dinv * res
+            x = x + d
+            rho = rho_next
+        return x
+
+
+def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "jacobi",
+              steps: int = 2, coarse_size: int = 64, max_levels: int = 30,
+              semicoarsening: float = 0.5, chebyshev_lower: float = 0.25) -> Multigrid:
+    """A geometric multigrid preconditioner for a structured-grid operator.
+
+    Builds a hierarchy from `operator`'s stencil: each level coarsens the
+    grid by two along its strongly coupled axes (all of them for an
+    isotropic operator; only the strong ones where it is anisotropic:
+    semicoarsening), with the Galerkin coarse operator `R A P` (linear
+    interpolation `P`, `R = P^T`) computed as a stencil; the coarsest level
+    (at most `coarse_size` points, or nothing left to coarsen) is solved
+    with a dense pseudo-inverse. Applying it runs one cycle from zero.
+
+    With symmetric smoothing (the same `steps` before and after) the cycle
+    is symmetric positive definite for an SPD operator, so it preconditions
+    `pcg`; it preconditions `gmres`, `bicgstab`, `idrs` and `minres` (SPD
+    operators) alike. A cycle computes no inner product: on a sharded grid
+    it communicates only halos (collective-permutes) and the coarsest grid.
+
+    Example:
+        ```python
+        A = sx.diffusion_operator(k, spacing=1 / 256)     # k: (256, 256)
+        sol = sx.pcg(A, f, precond=sx.multigrid(A))      # ~10 iterations at any size
+        ```
+
+    Args:
+        operator: a `StencilOperator` whose offsets are within one point
+            per axis (e.g. from `diffusion_operator` or `stencil_operator`).
+        cycle: `"V"` or `"W"`.
+        smoother: `"jacobi"` (damped, `omega = 4 / (3 lambda_max(D^-1 A))`)
+            or `"chebyshev"` (a polynomial in `D^-1 A` over
+            `[chebyshev_lower * 1.1 lambda_max, 1.1 lambda_max]`), with
+            `lambda_max` estimated per level at set-up by power iteration.
+        steps: smoothing steps (Chebyshev: degree) before and after the
+            coarse correction (>= 1).
+        coarse_size: the largest coarsest grid (points) solved directly.
+        max_levels: the most levels (>= 1).
+        semicoarsening: an axis is coarsened when its coupling is at least
+            this fraction of the strongest axis's (in `(0, 1]`; 1e-12 or so
+            coarsens every axis). Measured from concrete coefficients; when
+            they are traced (set-up under `jit`), every axis is coarsened.
+        chebyshev_lower: the lower end of the Chebyshev interval as a
+            fraction of its upper end (in `(0, 1)`).
+
+    Returns:
+        A `Multigrid`: a callable `r -> z` (the `precond` of any solver) and
+        a pytree; `shapes` lists the levels' grids.
+
+    Raises:
+        TypeError, ValueError: an operator that is not a `StencilOperator`,
+            offsets farther than one point, an unknown cycle or smoother,
+            out-of-range numbers.
+    """
+    if not isinstance(operator, StencilOperator):
+        raise TypeError("`operator` must be a StencilOperator (from sx.stencil_operator or "
+                        "sx.diffusion_operator): multigrid coarsens its stencil; got "
+                        f"{type(operator).__name__}.")
+    if any(abs(v) > 1 for o in operator.entries for v in o):
+        raise ValueError("`operator`'s offsets must be within one point per axis (a 3-, 9- "
+                         f"or 27-point stencil) for multigrid; got {sorted(operator.entries)}.")
+    _checks.check_choice("cycle", cycle, CYCLES)
+    _checks.check_choice("smoother", smoother, SMOOTHERS)
+    steps = _checks.check_int("steps", steps, 1)
+    coarse_size = _checks.check_int("coarse_size", coarse_size, 1, 4096)
+    max_levels = _checks.check_int("max_levels", max_levels, 1)
+    for name, value, high in (("semicoarsening", semicoarsening, 1.0),
+                              ("chebyshev_lower", chebyshev_lower, 1.0)):
+        if not 0 < float(value) <= high or (name == "chebyshev_lower" and value >= 1):
+            raise ValueError(f"`{name}` must be in (0, 1); got {value!r}.")
+    dtype = jnp.result_type(*operator.entries.values())
+    if jnp.finfo(dtype).bits < 32:
+        raise TypeError(f"`operator` has {jnp.dtype(dtype).name} coefficients; multigrid needs "
+                        "float32 or wider.")
+    levels = []
+    op = operator
+    while True:
+        dinv, lmax = _jitted(_smoothing_data)(op)
+        last = len(levels) + 1 >= max_levels or math.prod(op.shape) <= coarse_size
+        axes = () if last else _axes_to_coarsen(op, float(semicoarsening))
+        transfer = _jitted(_transfer, 1)(op, axes) if axes else None
+        levels.append(_Level(op, dinv, lmax, transfer))
+        if not axes:
+            break
+        op = _jitted(_galerkin)(op, transfer)
+    coarse_inverse = _jitted(_dense_inverse)(levels[-1].op)
+    return Multigrid(levels, coarse_inverse, cycle, smoother, steps, float(chebyshev_lower))
