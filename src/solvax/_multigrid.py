@@ -191,7 +191,7 @@ def _strengths(op: StencilOperator) -> list:
         total = 0.0
         for o, c in op.entries.items():
             if o[axis] != 0 and sum(map(abs, o)) == 1:
-                total += float(jnp.mean(jnp.abs(jnp.broadcast_to(c, op.shape))))
+                total += float(np.mean(np.abs(np.asarray(c))))   # concrete: host-side
         out.append(total)
     return out
 
@@ -293,7 +293,15 @@ class Multigrid:
 
     def _cycle(self, k: int, r):
         if k == len(self.levels) - 1:
-            z = self.coarse_inverse.astype(r.dtype) @ r.reshape(-1)
+            inverse = self.coarse_inverse.astype(r.dtype)
+            # a triangular solve with the identity: XLA's partitioner gives
+            # it a replicated operand, so the coarsest grid is gathered once
+            # (a product with a sharded vector would be partial sums and an
+            # all-reduce on a two-axis mesh)
+            eye = jnp.eye(inverse.shape[0], dtype=r.dtype)
+            whole = jax.lax.linalg.triangular_solve(eye, r.reshape(-1, 1), left_side=True,
+                                                    lower=True)
+            z = (inverse @ whole)[:, 0]
             return z.reshape(r.shape)
         level = self.levels[k]
         x = self._smooth(level, None, r)

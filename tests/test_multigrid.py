@@ -1,0 +1,208 @@
+"""Geometric multigrid: the hierarchy against dense references (restriction
+the transpose of prolongation, coarse operators the Galerkin products), the
+cycle symmetric positive definite, iteration counts that do not grow with the
+grid, every Krylov method preconditioned by it, sharded grids (halos and the
+coarsest grid only, no all-reduce in a cycle), derivatives, batches, float32,
+bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import solvax as sx
+
+
+def matrix_of(fn, shape):
+    n = int(np.prod(shape))
+    eye = jnp.eye(n).reshape(n, *shape)
+    return np.asarray(jax.vmap(fn)(eye)).reshape(n, -1).T
+
+
+def field(shape, seed=0):
+    return jnp.asarray(np.exp(np.random.default_rng(seed).standard_normal(shape)))
+
+
+@pytest.mark.parametrize("shape, boundary", [
+    ((9, 6), ("dirichlet", "periodic")),
+    ((7, 5, 4), ("neumann", "dirichlet", "dirichlet")),
+])
+def test_hierarchy_is_galerkin_and_the_cycle_is_spd(shape, boundary):
+    """Level by level, the coarse operator is `P^T A P` with `P` the level's
+    prolongation (as dense matrices), and the whole cycle is a symmetric
+    positive-definite matrix: odd and even sizes, every boundary kind."""
+    A = sx.diffusion_operator(field(shape), boundary=boundary, shift=0.05)
+    mg = sx.multigrid(A, coarse_size=4)
+    assert len(mg.levels) >= 3
+    for fine, coarse in zip(mg.levels, mg.levels[1:]):
+        Pm = matrix_of(fine.transfer.prolong, coarse.op.shape)
+        Rm = matrix_of(fine.transfer.restrict, fine.op.shape)
+        np.testing.assert_allclose(Rm, Pm.T, atol=1e-14)
+        galerkin = Pm.T @ matrix_of(fine.op, fine.op.shape) @ Pm
+        np.testing.assert_allclose(matrix_of(coarse.op, coarse.op.shape), galerkin, atol=1e-12)
+    M = matrix_of(mg, shape)
+    np.testing.assert_allclose(M, M.T, atol=1e-12)
+    assert np.linalg.eigvalsh(M).min() > 0
+
+
+@pytest.mark.parametrize("smoother, cycle", [("jacobi", "V"), ("chebyshev", "W")])
+def test_iterations_do_not_grow_with_the_grid(smoother, cycle):
+    counts = []
+    for shape in [(16, 16), (64, 64), (97, 60)]:
+        A = sx.diffusion_operator(1.0, shape=shape)
+        b = jnp.asarray(np.random.default_rng(1).standard_normal(shape))
+        mg = sx.multigrid(A, smoother=smoother, cycle=cycle)
+        sol = jax.jit(lambda m, b, A=A: sx.pcg(A, b, precond=m, rtol=1e-8))(mg, b)
+        assert int(sol.status) == sx.Status.CONVERGED
+        assert float(jnp.linalg.norm(b - A(sol.x)) / jnp.linalg.norm(b)) < 1e-8
+        counts.append(int(sol.iterations))
+    assert max(counts) <= 10 and max(counts) - min(counts) <= 2, counts
+
+
+def test_jumps_and_anisotropy():
+    """Coefficients jumping by 1e4 (operator-dependent interpolation) and
+    k = (1e-3, 1) (semicoarsening: the weak axis is kept until the strong one
+    has been coarsened enough)."""
+    shape = (48, 40)
+    g = np.meshgrid(*[np.arange(n) / n for n in shape], indexing="ij")
+    jumps = jnp.asarray(np.where((np.floor(4 * g[0]) + np.floor(4 * g[1])) % 2, 1e4, 1.0))
+    b = jnp.asarray(np.random.default_rng(2).standard_normal(shape))
+    for A, limit in [(sx.diffusion_operator(jumps), 12), (sx.diffusion_operator((1e-3, 1.0),
+                                                                               shape=shape), 10)]:
+        mg = sx.multigrid(A)
+        sol = sx.pcg(A, b, precond=mg, rtol=1e-8)
+        assert int(sol.status) == sx.Status.CONVERGED and int(sol.iterations) <= limit
+    assert mg.shapes[1] == (48, 20)                  # only the strong axis coarsened first
+
+
+def upwind(n, strength):
+    ch = strength / (n + 1)
+    return sx.stencil_operator({(0, 0): 4.0 + ch, (-1, 0): -1.0 - ch, (1, 0): -1.0,
+                                (0, 1): -1.0, (0, -1): -1.0}, shape=(n, n))
+
+
+@pytest.mark.parametrize("solver", [sx.gmres, sx.bicgstab, sx.idrs, sx.minres])
+def test_preconditions_every_krylov_method(solver):
+    """Nonsymmetric upwind convection-diffusion for GMRES, BiCGStab and
+    IDR(s); the symmetric Poisson problem for MINRES."""
+    n = 40
+    A = upwind(n, 10.0) if solver is not sx.minres else sx.diffusion_operator(1.0, shape=(n, n))
+    b = jnp.asarray(np.random.default_rng(3).standard_normal((n, n)))
+    sol = jax.jit(lambda b: solver(A, b, precond=sx.multigrid(A), rtol=1e-8))(b)
+    assert int(sol.status) == sx.Status.CONVERGED
+    assert int(sol.iterations) <= 30
+    assert float(jnp.linalg.norm(b - A(sol.x)) / jnp.linalg.norm(b)) < 1e-7
+
+
+@pytest.mark.parametrize("mesh_shape, spec", [((8,), P("i", None)), ((2, 4), P("i", "j"))])
+def test_sharded_cycle_communicates_halos_and_the_coarsest_grid(mesh_shape, spec):
+    """On a grid sharded over one or two mesh axes: a cycle has no all-reduce,
+    its all-gathers move at most the coarsest grid once per mesh axis, the
+    MG-preconditioned CG iteration has the same all-reduces as Jacobi-CG, the
+    solution keeps the sharding, and the iterations match one device."""
+    mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), ("i", "j")[:len(mesh_shape)])
+    shape = (64, 64)
+    sharding = NamedSharding(mesh, spec)
+    k = jax.device_put(field(shape), sharding)
+    b = jax.device_put(jnp.asarray(np.random.default_rng(4).standard_normal(shape)), sharding)
+    mg = sx.multigrid(sx.diffusion_operator(k))
+    cycle = sx.count_collectives(lambda m, r: m(r), mg, b)
+    assert cycle.count("all-reduce") == 0, str(cycle)
+    coarsest = int(np.prod(mg.shapes[-1])) * 8
+    gathers = [c for c in cycle.collectives if c.kind == "all-gather"]
+    assert len(gathers) <= len(mesh_shape)
+    assert all(c.bytes <= coarsest for c in gathers), str(cycle)
+    assert set(cycle.by_kind) <= {"all-gather", "collective-permute"}
+
+    def solve(k, b, precond):
+        A = sx.diffusion_operator(k)
+        return sx.pcg(A, b, precond=precond(A), rtol=1e-8)
+
+    def in_loop(report, kind):
+        return sum(c.kind == kind for c in report.collectives if c.loops)
+
+    with_mg = sx.count_collectives(lambda k, b, m: solve(k, b, lambda A: m).x, k, b, mg)
+    with_jacobi = sx.count_collectives(
+        lambda k, b: solve(k, b, lambda A: sx.jacobi(A.diagonal())).x, k, b)
+    assert in_loop(with_mg, "all-reduce") == in_loop(with_jacobi, "all-reduce")
+    sol = jax.jit(lambda k, b: solve(k, b, sx.multigrid))(k, b)
+    assert sol.x.sharding.is_equivalent_to(sharding, 2)
+    one = solve(jnp.asarray(np.asarray(k)), jnp.asarray(np.asarray(b)), sx.multigrid)
+    assert abs(int(sol.iterations) - int(one.iterations)) <= 1
+
+
+def test_gradients_batches_and_traced_set_up():
+    """grad of a loss of `pcg(A(k), b, precond=multigrid(A(k)))` with respect
+    to `b` and to `k` against a dense solve (set-up inside the traced
+    function), and `vmap` over right-hand sides."""
+    shape = (10, 9)
+    k0, b0 = field(shape, 5), jnp.asarray(np.random.default_rng(6).standard_normal(shape))
+    w = jnp.asarray(np.random.default_rng(7).standard_normal(shape))
+
+    def loss(k, b):
+        A = sx.diffusion_operator(k)
+        return jnp.sum(w * sx.pcg(A, b, precond=sx.multigrid(A, coarse_size=4), rtol=1e-13).x)
+
+    def reference(k, b):
+        n = b.size
+        M = jax.vmap(sx.diffusion_operator(k))(jnp.eye(n).reshape(n, *shape)).reshape(n, n).T
+        return jnp.sum(w.ravel() * jnp.linalg.solve(M, b.ravel()))
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(k0, b0)
+    want = jax.grad(reference, argnums=(0, 1))(k0, b0)
+    for g, r in zip(got, want):
+        assert float(jnp.max(jnp.abs(g - r)) / jnp.max(jnp.abs(r))) < 1e-8
+    A = sx.diffusion_operator(k0)
+    mg = sx.multigrid(A)
+    B = jnp.asarray(np.random.default_rng(8).standard_normal((3, *shape)))
+    X = jax.jit(jax.vmap(lambda b: sx.pcg(A, b, precond=mg, rtol=1e-10).x))(B)
+    assert float(jnp.max(jnp.abs(jax.vmap(A)(X) - B))) < 1e-8
+
+
+def test_float32_default_tolerance():
+    A = sx.diffusion_operator(jnp.float32(1.0), shape=(40, 33))
+    b = jnp.asarray(np.random.default_rng(9).standard_normal((40, 33)), jnp.float32)
+    sol = sx.pcg(A, b, precond=sx.multigrid(A))
+    assert sol.x.dtype == jnp.float32 and int(sol.status) == sx.Status.CONVERGED
+    assert int(sol.iterations) <= 8
+
+
+def test_an_indefinite_operator_is_not_reported_solved():
+    """A shift that makes the operator indefinite: CG with the cycle never
+    returns CONVERGED with a residual that misses the tolerance."""
+    A = sx.diffusion_operator(1.0, shape=(24, 24), shift=-0.5)
+    b = jnp.asarray(np.random.default_rng(10).standard_normal((24, 24)))
+    sol = sx.pcg(A, b, precond=sx.multigrid(A), rtol=1e-8)
+    residual = float(jnp.linalg.norm(b - A(sol.x)) / jnp.linalg.norm(b))
+    assert int(sol.status) != sx.Status.CONVERGED or residual <= 1.1e-8
+
+
+def test_bad_input_names_the_argument():
+    A = sx.diffusion_operator(1.0, shape=(8, 8))
+    with pytest.raises(TypeError, match="`operator` must be a StencilOperator"):
+        sx.multigrid(lambda x: 2 * x)
+    wide = sx.stencil_operator({(0,): 2.0, (2,): -1.0}, shape=(9,))
+    with pytest.raises(ValueError, match="within one point"):
+        sx.multigrid(wide)
+    with pytest.raises(ValueError, match="`cycle`"):
+        sx.multigrid(A, cycle="F")
+    with pytest.raises(ValueError, match="`smoother`"):
+        sx.multigrid(A, smoother="gauss-seidel")
+    with pytest.raises(ValueError, match="`steps`"):
+        sx.multigrid(A, steps=0)
+    with pytest.raises(ValueError, match="`semicoarsening`"):
+        sx.multigrid(A, semicoarsening=0.0)
+    with pytest.raises(ValueError, match="`chebyshev_lower`"):
+        sx.multigrid(A, chebyshev_lower=1.0)
+    with pytest.raises(TypeError, match="float32 or wider"):
+        sx.multigrid(sx.diffusion_operator(jnp.ones((8, 8), jnp.bfloat16)))
+    with pytest.raises(ValueError, match="grid's shape"):
+        sx.multigrid(A)(jnp.ones((8, 9)))
+    # the valid inputs nearest to those: a 1-D three-point stencil, one
+    # smoothing step, every axis coarsened, a W-cycle
+    one_d = sx.stencil_operator({(0,): 2.0, (1,): -1.0, (-1,): -1.0}, shape=(33,))
+    mg = sx.multigrid(one_d, steps=1, semicoarsening=1.0, cycle="W", smoother="chebyshev")
+    sol = sx.pcg(one_d, jnp.ones(33), precond=mg, rtol=1e-10)
+    assert int(sol.status) == sx.Status.CONVERGED
