@@ -26,8 +26,10 @@ from ._gmres import gmres
 from ._idrs import idrs
 from ._linear_solve import linear_solve
 from ._minres import minres
+from ._multigrid import multigrid
 from ._parallel import shard_map
 from ._partitioned import partitioned_block_tridiagonal_solve, partitioned_tridiagonal_solve
+from ._stencil import diffusion_operator
 from ._tridiagonal import cyclic_tridiagonal_solve, tridiagonal_solve
 
 
@@ -132,6 +134,28 @@ def _structured_cases(mesh: Mesh, n: int, put, rng) -> dict[str, tuple[Callable,
     }
 
 
+def _multigrid_cg(k, b):
+    A = diffusion_operator(k)
+    return pcg(A, b, precond=multigrid(A)).x
+
+
+def _multigrid_cases(mesh: Mesh, rng) -> dict[str, tuple[Callable, tuple]]:
+    """MG-preconditioned CG on a 64 x 64 diffusion problem (coefficient field
+    and right-hand side sharded; the hierarchy built inside the program): the
+    grid's rows over the mesh, and rows and columns over a 2 x (P / 2) mesh."""
+    meshes = {"P('i', None)": (mesh, P("i", None))}
+    devices = mesh.devices.ravel()
+    if len(devices) >= 4 and len(devices) % 2 == 0:
+        square = Mesh(devices.reshape(2, -1), ("i", "j"))
+        meshes[f"P('i', 'j') on 2x{len(devices) // 2}"] = (square, P("i", "j"))
+    cases = {}
+    for label, (m, spec) in meshes.items():
+        k, b = (jax.device_put(jnp.asarray(v), NamedSharding(m, spec))
+                for v in (np.exp(rng.standard_normal((64, 64))), rng.standard_normal((64, 64))))
+        cases[f"multigrid-preconditioned CG, 64x64 grid {label}"] = (_multigrid_cg, (k, b))
+    return cases
+
+
 def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
     rng = np.random.default_rng(0)
 
@@ -148,6 +172,7 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
            for case, solver, options in _SHARD_MAPPED},
         **{case: (_krylov(solver, options), (tree_d, tree_b))
            for case, solver, options in _PYTREE},
+        **_multigrid_cases(mesh, rng),
     }
 
 
