@@ -45,3 +45,12 @@ def test_nonsymmetric_methods_all_converge():
     out = run("nonsymmetric.py", "--n", "32")
     rows = [line for line in out.splitlines() if "CONVERGED" in line]
     assert len(rows) == 7, out
+
+
+def test_diffusion_3d_multigrid_beats_jacobi_iterations_with_halos_only():
+    out = run("diffusion_3d_multigrid.py", "--n", "16")
+    lines = {line.split()[0]: line for line in out.splitlines() if "iterations" in line}
+    mg, jacobi = (int(lines[name].split(":")[1].split()[0]) for name in ("multigrid-CG",
+                                                                         "Jacobi-CG"))
+    assert "CONVERGED" in lines["multigrid-CG"] and mg <= 12 and jacobi > 3 * mg
+    assert "all-to-all" not in out and "all-gather          1" in out

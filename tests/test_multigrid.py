@@ -196,6 +196,8 @@ def test_bad_input_names_the_argument():
         sx.multigrid(A, semicoarsening=0.0)
     with pytest.raises(ValueError, match="`chebyshev_lower`"):
         sx.multigrid(A, chebyshev_lower=1.0)
+    with pytest.raises(ValueError, match="`shards`"):
+        sx.multigrid(A, shards=(8,))
     with pytest.raises(TypeError, match="float32 or wider"):
         sx.multigrid(sx.diffusion_operator(jnp.ones((8, 8), jnp.bfloat16)))
     with pytest.raises(ValueError, match="grid's shape"):
@@ -203,6 +205,8 @@ def test_bad_input_names_the_argument():
     # the valid inputs nearest to those: a 1-D three-point stencil, one
     # smoothing step, every axis coarsened, a W-cycle
     one_d = sx.stencil_operator({(0,): 2.0, (1,): -1.0, (-1,): -1.0}, shape=(33,))
-    mg = sx.multigrid(one_d, steps=1, semicoarsening=1.0, cycle="W", smoother="chebyshev")
+    mg = sx.multigrid(one_d, steps=1, semicoarsening=1.0, cycle="W", smoother="chebyshev",
+                      shards=(4,))
+    assert min(n for (n,) in mg.shapes) >= 4
     sol = sx.pcg(one_d, jnp.ones(33), precond=mg, rtol=1e-10)
     assert int(sol.status) == sx.Status.CONVERGED

@@ -200,13 +200,31 @@ def _strengths(op: StencilOperator) -> list:
     return out
 
 
-def _axes_to_coarsen(op: StencilOperator, threshold: float) -> tuple:
+def _shards_of(op: StencilOperator) -> tuple:
+    """Per grid axis, how many devices split it: read from a concrete
+    coefficient array's sharding (1 per axis when there is none to read)."""
+    for c in op.entries.values():
+        sharding = getattr(c, "sharding", None)
+        if jnp.ndim(c) == op.ndim and isinstance(sharding, jax.sharding.NamedSharding):
+            sizes = dict(sharding.mesh.shape)
+            spec = tuple(sharding.spec) + (None,) * op.ndim
+            out = []
+            for entry in spec[:op.ndim]:
+                names = entry if isinstance(entry, tuple) else (entry,)
+                out.append(math.prod(sizes[name] for name in names if name is not None))
+            return tuple(out)
+    return (1,) * op.ndim
+
+
+def _axes_to_coarsen(op: StencilOperator, threshold: float, shards: tuple) -> tuple:
     """The axes to coarsen below `op`: those with at least 3 points (an even
-    number on a periodic axis) whose coupling is at least `threshold` times
-    the strongest coarsenable one's (semicoarsening where the operator is
-    anisotropic; every axis when the coefficients are traced)."""
-    able = [a for a, (n, b) in enumerate(zip(op.shape, op.boundary))
-            if n >= 3 and not (b == "periodic" and n % 2)]
+    number on a periodic axis) that keep at least one coarse point per
+    device splitting them (`shards`), and whose coupling is at least
+    `threshold` times the strongest coarsenable one's (semicoarsening where
+    the operator is anisotropic; every axis when the coefficients are
+    traced)."""
+    able = [a for a, (n, b, d) in enumerate(zip(op.shape, op.boundary, shards))
+            if n >= 3 and not (b == "periodic" and n % 2) and n // 2 >= d]
     if not able or not _is_concrete(op):
         return tuple(able)
     s = _strengths(op)
@@ -367,7 +385,8 @@ class Multigrid:
 
 def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "jacobi",
               steps: int = 2, coarse_size: int = 64, max_levels: int = 30,
-              semicoarsening: float = 0.5, chebyshev_lower: float = 0.25) -> Multigrid:
+              semicoarsening: float = 0.5, chebyshev_lower: float = 0.25,
+              shards: tuple | None = None) -> Multigrid:
     """A geometric multigrid preconditioner for a structured-grid operator.
 
     Builds a hierarchy from `operator`'s stencil: each level coarsens the
@@ -408,6 +427,13 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
             they are traced (set-up under `jit`), every axis is coarsened.
         chebyshev_lower: the lower end of the Chebyshev interval as a
             fraction of its upper end (in `(0, 1)`).
+        shards: per grid axis, the number of devices splitting it; no level
+            has fewer points than that along the axis (XLA's partitioner
+            reshuffles a sharded axis shorter than its mesh axis with
+            all-to-alls and all-reduces). Read from the coefficients'
+            sharding when they are concrete arrays; pass it when the set-up
+            is traced under `jit`, e.g. `shards=(8, 1)` for `P("i", None)`
+            on 8 devices.
 
     Returns:
         A `Multigrid`: a callable `r -> z` (the `precond` of any solver) and
@@ -438,12 +464,19 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     if jnp.finfo(dtype).bits < 32:
         raise TypeError(f"`operator` has {jnp.dtype(dtype).name} coefficients; multigrid needs "
                         "float32 or wider.")
+    if shards is None:
+        shards = _shards_of(operator)
+    elif (not isinstance(shards, tuple | list) or len(shards) != operator.ndim
+          or not all(isinstance(d, int) and d >= 1 for d in shards)):
+        raise ValueError(f"`shards` must give, per grid axis, the number of devices splitting "
+                         f"it (ints >= 1, {operator.ndim} of them); got {shards!r}.")
+    shards = tuple(shards)
     levels = []
     op = operator
     while True:
         dinv, lmax = _jitted(_smoothing_data)(op)
         last = len(levels) + 1 >= max_levels or math.prod(op.shape) <= coarse_size
-        axes = () if last else _axes_to_coarsen(op, float(semicoarsening))
+        axes = () if last else _axes_to_coarsen(op, float(semicoarsening), shards)
         transfer = _jitted(_transfer, 1)(op, axes) if axes else None
         levels.append(_Level(op, dinv, lmax, transfer))
         if not axes:
