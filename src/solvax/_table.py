@@ -144,9 +144,9 @@ def _multigrid_cases(mesh: Mesh, rng) -> dict[str, tuple[Callable, tuple]]:
     and right-hand side sharded; the hierarchy built inside the program): the
     grid's rows over the mesh, and rows and columns over a 2 x (P / 2) mesh."""
     meshes = {"P('i', None)": (mesh, P("i", None))}
-    devices = mesh.devices.ravel()
+    devices = list(mesh.devices.flat)
     if len(devices) >= 4 and len(devices) % 2 == 0:
-        square = Mesh(devices.reshape(2, -1), ("i", "j"))
+        square = Mesh(np.array(devices).reshape(2, len(devices) // 2), ("i", "j"))
         meshes[f"P('i', 'j') on 2x{len(devices) // 2}"] = (square, P("i", "j"))
     cases = {}
     for label, (m, spec) in meshes.items():
