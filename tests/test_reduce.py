@@ -111,9 +111,11 @@ def _calls(path):
 
 
 # The direct structured solves work on arrays with named block axes (they
-# stack spike columns and corner blocks of one system); the rule below is about
-# the Krylov vectors, which are pytrees whose leaves keep their own sharding.
-STRUCTURED = {"_tridiagonal.py", "_block_tridiagonal.py", "_partitioned.py"}
+# stack spike columns and corner blocks of one system), and multigrid's
+# transfers interleave and split the points of a grid axis (its collectives
+# pinned in test_multigrid); the rule below is about the Krylov vectors,
+# which are pytrees whose leaves keep their own sharding.
+STRUCTURED = {"_tridiagonal.py", "_block_tridiagonal.py", "_partitioned.py", "_multigrid.py"}
 
 
 def test_no_flattening_in_the_library():

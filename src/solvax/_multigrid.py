@@ -337,7 +337,8 @@ class Multigrid:
             # (a product with a sharded vector would be partial sums and an
             # all-reduce on a two-axis mesh)
             eye = jnp.eye(inverse.shape[0], dtype=r.dtype)
-            whole = jax.lax.linalg.triangular_solve(eye, r.reshape(-1, 1), left_side=True,
+            whole = jax.lax.linalg.triangular_solve(eye, r.reshape(inverse.shape[0], 1),
+                                                    left_side=True,
                                                     lower=True)
             z = (inverse @ whole)[:, 0]
             return z.reshape(r.shape)
