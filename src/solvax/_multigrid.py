@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks, _precond
-from ._stencil import StencilOperator, _unit_shift
+from ._stencil import StencilOperator, _unit_shift, global_index
 
 CYCLES = ("V", "W")
 SMOOTHERS = ("jacobi", "chebyshev")
@@ -38,14 +38,14 @@ def _along(x, axis: int, start: int, stop: int):
     return jax.lax.slice_in_dim(x, start, stop, axis=axis)
 
 
-def _prolong_axis(c, axis: int, n: int, periodic: bool, weights: dict):
+def _prolong_axis(c, axis: int, n: int, periodic: bool, weights: dict, name=None):
     """Interpolation along `axis` from `nc = n // 2` coarse points to `n` fine
     ones: fine `2 j + 1` is coarse `j`; fine `2 j` is `w_minus[j] c[j - 1] +
     w_plus[j] c[j]`, with `c` zero past its ends (a Neumann edge's weights
     are folded onto its one neighbour at set-up) or wrapped (periodic)."""
     nc = c.shape[axis]
     w_minus, w_plus = weights["minus"], weights["plus"]
-    left = _unit_shift(c, axis, -1, "periodic" if periodic else "dirichlet")   # c[j - 1]
+    left = _unit_shift(c, axis, -1, "periodic" if periodic else "dirichlet", name)  # c[j - 1]
     evens = _along(w_minus, axis, 0, nc) * left + _along(w_plus, axis, 0, nc) * c
     fine = jnp.stack([evens, c], axis=axis + 1)
     fine = fine.reshape(c.shape[:axis] + (2 * nc,) + c.shape[axis + 1:])
@@ -64,11 +64,13 @@ class _Transfer:
     """Prolongation from the grid coarsened along `axes` to `shape`, one axis
     at a time, and restriction, its exact transpose."""
 
-    def __init__(self, weights: list, shape: tuple, axes: tuple, boundary: tuple):
+    def __init__(self, weights: list, shape: tuple, axes: tuple, boundary: tuple,
+                 axis_names: tuple):
         self.weights, self.shape, self.axes, self.boundary = weights, shape, axes, boundary
+        self.axis_names = axis_names
 
     def tree_flatten(self):
-        return (self.weights,), (self.shape, self.axes, self.boundary)
+        return (self.weights,), (self.shape, self.axes, self.boundary, self.axis_names)
 
     @classmethod
     def tree_unflatten(cls, aux, leaves):
@@ -81,7 +83,7 @@ class _Transfer:
     def prolong(self, c):
         for axis, weights in zip(self.axes, self.weights):
             c = _prolong_axis(c, axis, self.shape[axis], self.boundary[axis] == "periodic",
-                              weights)
+                              weights, self.axis_names[axis])
         return c
 
     def restrict(self, r):
@@ -89,8 +91,14 @@ class _Transfer:
         interleaving reshape a split, so on a sharded grid it moves the same
         halos back. (A strided convolution ran 15 % faster on one device but
         made XLA's partitioner reshard the grid with all-to-alls.)"""
-        template = jax.ShapeDtypeStruct(self.coarse_shape, r.dtype)
-        (rc,) = jax.linear_transpose(self.prolong, template)(r)
+        # the transpose at a zero coarse grid cut from `r` (so that in a
+        # shard_map block it varies over the mesh axes as `r` does: an
+        # invariant template would make the transpose sum over the blocks)
+        zero = r
+        for axis in self.axes:
+            zero = _along(zero, axis, 0, self.coarse_shape[axis])
+        _, transpose = jax.vjp(self.prolong, 0 * zero)
+        (rc,) = transpose(r)
         return rc
 
 
@@ -125,13 +133,14 @@ def _transfer(op: StencilOperator, axes: tuple) -> _Transfer:
         if op.boundary[axis] == "neumann":
             # the coarse grid extended by its edge value: fold the outside
             # weight onto the edge point
-            first = jnp.arange(n - nc).reshape([-1 if a == axis else 1 for a in range(len(shape))])
+            even_shape = w_plus.shape
+            first, _ = global_index(even_shape, axis, op.axis_names[axis])
             w_plus = jnp.where(first == 0, w_plus + w_minus, w_plus)
             w_minus = jnp.where(first == 0, 0, w_minus)
             if n > 2 * nc:
                 w_minus = jnp.where(first == nc, w_minus + w_plus, w_minus)
         weights.append(dict(minus=w_minus, plus=w_plus))
-    return _Transfer(weights, shape, axes, op.boundary)
+    return _Transfer(weights, shape, axes, op.boundary, op.axis_names)
 
 
 def _coarse_boundary(boundary: tuple) -> tuple:
@@ -154,9 +163,10 @@ def _galerkin(op: StencilOperator, transfer: _Transfer, runtime_true) -> Stencil
     boundary = op.boundary
     shape = transfer.coarse_shape
     dtype = jnp.result_type(*op.entries.values())
-    mods = [_colours(n, b == "periodic") for n, b in zip(shape, boundary)]
-    # index arithmetic in the program (iota), not constants of the grid's size
-    grids = [jax.lax.broadcasted_iota(jnp.int32, shape, a) for a in range(len(shape))]
+    # index arithmetic in the program (iota), not constants of the grid's
+    # size; in a shard_map block, the whole grid's indices
+    grids, sizes = zip(*[global_index(shape, a, name) for a, name in enumerate(op.axis_names)])
+    mods = [_colours(n, b == "periodic") for n, b in zip(sizes, boundary)]
     colours = list(itertools.product(*[range(m) for m in mods]))
     keep = functools.partial(_materialized, runtime_true)
     columns = []
@@ -166,13 +176,13 @@ def _galerkin(op: StencilOperator, transfer: _Transfer, runtime_true) -> Stencil
         columns.append(keep(transfer.restrict(keep(op(keep(transfer.prolong(probe)))))))
     entries = {}
     for o in itertools.product((-1, 0, 1), repeat=len(shape)):
-        if any(abs(v) >= n for v, n in zip(o, shape)):
+        if any(abs(v) >= n for v, n in zip(o, sizes)):
             continue
         # row i's entry at offset o is A_c[i, i + o]: the probe of the colour
         # of i + o (wrapped on a periodic axis) holds it; 0 where i + o is off the grid
         which = jnp.zeros(shape, jnp.int32)
         inside = jnp.ones(shape, bool)
-        for g, m, v, n, b in zip(grids, mods, o, shape, boundary):
+        for g, m, v, n, b in zip(grids, mods, o, sizes, boundary):
             j = (g + v) % n if b == "periodic" else g + v
             inside &= (j >= 0) & (j < n)
             which = which * m + j % m
@@ -181,7 +191,7 @@ def _galerkin(op: StencilOperator, transfer: _Transfer, runtime_true) -> Stencil
         for number, column in enumerate(columns):
             entry = jnp.where(which == number, column, entry)
         entries[o] = entry
-    return StencilOperator(entries, shape, _coarse_boundary(boundary))
+    return StencilOperator(entries, shape, _coarse_boundary(boundary), op.axis_names)
 
 
 def _is_concrete(op: StencilOperator) -> bool:
@@ -223,8 +233,13 @@ def _axes_to_coarsen(op: StencilOperator, threshold: float, shards: tuple) -> tu
     `threshold` times the strongest coarsenable one's (semicoarsening where
     the operator is anisotropic; every axis when the coefficients are
     traced)."""
-    able = [a for a, (n, b, d) in enumerate(zip(op.shape, op.boundary, shards))
-            if n >= 3 and not (b == "periodic" and n % 2) and n // 2 >= d]
+    def coarsenable(n, b, d, name):
+        if name is not None:   # a shard_map block: the whole grid's 2 j + 1 stays in it
+            return n % 2 == 0
+        return n >= 3 and not (b == "periodic" and n % 2) and n // 2 >= d
+
+    able = [a for a, args in enumerate(zip(op.shape, op.boundary, shards, op.axis_names))
+            if coarsenable(*args)]
     if not able or not _is_concrete(op):
         return tuple(able)
     s = _strengths(op)
@@ -243,12 +258,49 @@ def _smoothing_data(op: StencilOperator):
     dinv = 1 / diag
     off = sum(jnp.abs(jnp.broadcast_to(c, op.shape)) for o, c in op.entries.items() if any(o))
     gershgorin = 1 + jnp.max(off * jnp.abs(dinv))
+    names = tuple(name for name in op.axis_names if name is not None)
+    if names:
+        gershgorin = jax.lax.pmax(gershgorin, names)
     size = math.prod(op.shape)
     v = jnp.asarray(np.sin(np.arange(size) * 2.399963 + 0.3).reshape(op.shape), diag.dtype)
+    v = v + 0 * diag   # shaped, sharded (and in a shard_map block, varying) like the grid
     root = jnp.sqrt(jnp.abs(dinv))
-    _, ritz = _precond.estimate_spectrum(lambda u: root * op(root * u), v, steps=10)
+    _, ritz = _precond.estimate_spectrum(lambda u: root * op(root * u), v, steps=10,
+                                         axis_name=names or None)
     lmax = jnp.where(jnp.isfinite(ritz), jnp.minimum(1.1 * ritz, gershgorin), gershgorin)
     return dinv, lmax.astype(gershgorin.dtype)
+
+
+def _global_size(op: StencilOperator) -> int:
+    return math.prod(n * (1 if name is None else jax.lax.psum(1, name))
+                     for n, name in zip(op.shape, op.axis_names))
+
+
+def _gather(x, axis_names: tuple):
+    """The whole grid from the blocks of a `shard_map` (every block gets it)."""
+    for axis, name in enumerate(axis_names):
+        if name is not None:
+            x = jax.lax.all_gather(x, name, axis=axis, tiled=True)
+    return x
+
+
+def _own_block(x, shape: tuple, axis_names: tuple):
+    """This block of the whole grid `x` (the inverse of `_gather`)."""
+    for axis, name in enumerate(axis_names):
+        if name is not None:
+            start = jax.lax.axis_index(name) * shape[axis]
+            x = jax.lax.dynamic_slice_in_dim(x, start, shape[axis], axis=axis)
+    return x
+
+
+def _gathered_operator(op: StencilOperator) -> StencilOperator:
+    """The coarsest operator on the whole grid (inside `shard_map`: gathered)."""
+    if all(name is None for name in op.axis_names):
+        return op
+    entries = {o: _gather(jnp.broadcast_to(c, op.shape), op.axis_names)
+               for o, c in op.entries.items()}
+    shape = next(iter(entries.values())).shape
+    return StencilOperator(entries, shape, op.boundary)
 
 
 def _dense_inverse(op: StencilOperator):
@@ -336,12 +388,13 @@ class Multigrid:
             # it a replicated operand, so the coarsest grid is gathered once
             # (a product with a sharded vector would be partial sums and an
             # all-reduce on a two-axis mesh)
+            names = self.levels[-1].op.axis_names
+            grid = _gather(r, names)      # inside shard_map: the whole coarsest grid
             eye = jnp.eye(inverse.shape[0], dtype=r.dtype)
-            whole = jax.lax.linalg.triangular_solve(eye, r.reshape(inverse.shape[0], 1),
-                                                    left_side=True,
-                                                    lower=True)
-            z = (inverse @ whole)[:, 0]
-            return z.reshape(r.shape)
+            whole = jax.lax.linalg.triangular_solve(eye, grid.reshape(inverse.shape[0], 1),
+                                                    left_side=True, lower=True)
+            z = (inverse @ whole)[:, 0].reshape(grid.shape)
+            return _own_block(z, r.shape, names)
         level = self.levels[k]
         keep = functools.partial(_materialized, level.lmax)
         x = self._smooth(level, None, r)
@@ -473,15 +526,18 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
                          f"it (ints >= 1, {operator.ndim} of them); got {shards!r}.")
     shards = tuple(shards)
     levels = []
-    op = operator
+    # a preconditioner changes how a solve gets there, not where: the
+    # solvers' implicit adjoints do not differentiate it, so neither does
+    # the set-up (no derivative of its eigenvalue estimates or gathers)
+    op = jax.lax.stop_gradient(operator)
     while True:
         dinv, lmax = _jitted(_smoothing_data)(op)
-        last = len(levels) + 1 >= max_levels or math.prod(op.shape) <= coarse_size
+        last = len(levels) + 1 >= max_levels or _global_size(op) <= coarse_size
         axes = () if last else _axes_to_coarsen(op, float(semicoarsening), shards)
         transfer = _jitted(_transfer, 1)(op, axes) if axes else None
         levels.append(_Level(op, dinv, lmax, transfer))
         if not axes:
             break
         op = _jitted(_galerkin)(op, transfer, lmax)
-    coarse_inverse = _jitted(_dense_inverse)(levels[-1].op)
+    coarse_inverse = _jitted(_dense_inverse)(_gathered_operator(levels[-1].op))
     return Multigrid(levels, coarse_inverse, cycle, smoother, steps, float(chebyshev_lower))

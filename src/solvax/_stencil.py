@@ -41,19 +41,21 @@ class StencilOperator:
         boundary: one of `BOUNDARIES` per axis.
     """
 
-    def __init__(self, entries: dict, shape: tuple, boundary: tuple):
+    def __init__(self, entries: dict, shape: tuple, boundary: tuple, axis_names: tuple = None):
         self.entries = entries
         self.shape = shape
         self.boundary = boundary
+        self.axis_names = axis_names or (None,) * len(shape)
 
     def tree_flatten(self):
         offsets = tuple(self.entries)
-        return tuple(self.entries[o] for o in offsets), (offsets, self.shape, self.boundary)
+        return (tuple(self.entries[o] for o in offsets),
+                (offsets, self.shape, self.boundary, self.axis_names))
 
     @classmethod
     def tree_unflatten(cls, aux, leaves):
-        offsets, shape, boundary = aux
-        return cls(dict(zip(offsets, leaves)), shape, boundary)
+        offsets, shape, boundary, axis_names = aux
+        return cls(dict(zip(offsets, leaves)), shape, boundary, axis_names)
 
     @property
     def ndim(self) -> int:
@@ -64,7 +66,7 @@ class StencilOperator:
             raise ValueError(f"the stencil operator acts on arrays of shape {self.shape}; got "
                              f"{jnp.shape(x)}.")
         dtype = jnp.result_type(x, *self.entries.values())
-        shifts = _shifts(x.astype(dtype), list(self.entries), self.boundary)
+        shifts = _shifts(x.astype(dtype), list(self.entries), self.boundary, self.axis_names)
         y = None
         for k, coefficient in enumerate(self.entries.values()):
             term = coefficient * shifts[k]
@@ -82,7 +84,7 @@ class StencilOperator:
                 f"boundary={self.boundary})")
 
 
-def _shifts(x, offsets: list, boundary: tuple) -> list:
+def _shifts(x, offsets: list, boundary: tuple, axis_names: tuple) -> list:
     """`[x[i + o] for each offset o]`, each built from unit shifts along one
     axis at a time (memoized: `(2, 0)` is `(1, 0)` shifted once more). A unit
     shift pads one side of its axis by one (zero, edge or wrap) and slices:
@@ -98,18 +100,22 @@ def _shifts(x, offsets: list, boundary: tuple) -> list:
             axis = max(a for a, o in enumerate(offset) if o)
             step = 1 if offset[axis] > 0 else -1
             previous = tuple(o - step if a == axis else o for a, o in enumerate(offset))
-            memo[offset] = _unit_shift(shifted(previous), axis, step, boundary[axis])
+            memo[offset] = _unit_shift(shifted(previous), axis, step, boundary[axis],
+                                       axis_names[axis])
         return memo[offset]
 
     return [shifted(offset) for offset in offsets]
 
 
-def _unit_shift(x, axis: int, step: int, kind: str):
+def _unit_shift(x, axis: int, step: int, kind: str, name=None):
     """`x[i + step]` along `axis` (`step` = +1 or -1), outside the grid as `kind`
-    says. Dirichlet: one `lax.pad` with a negative low (or high) edge, which
+    says; `name`: the mesh axis that splits the grid axis into the blocks of
+    a `shard_map` (the halo then comes from the neighbour). Dirichlet: one `lax.pad` with a negative low (or high) edge, which
     XLA fuses into its consumer as well as a slice (half the time of a pad
     then a slice on the CPU); Neumann and periodic pad by the edge or the
     wrapped value and slice."""
+    if name is not None:
+        return _halo_shift(x, axis, step, kind, name)
     if kind == "dirichlet":
         config = [(0, 0, 0)] * x.ndim
         config[axis] = (-1, 1, 0) if step > 0 else (1, -1, 0)
@@ -122,8 +128,58 @@ def _unit_shift(x, axis: int, step: int, kind: str):
     return xp[tuple(index)]
 
 
+def _halo_shift(x, axis: int, step: int, kind: str, name):
+    """`_unit_shift` of a block inside `shard_map`: the face this block lacks is
+    its neighbour's, sent by one `ppermute` over `name`; at the grid's ends
+    (the first and last blocks) it is zero (a block with no sender receives
+    zeros), the block's own edge (Neumann) or the wrapped block's (periodic)."""
+    devices = jax.lax.psum(1, name)
+    n = x.shape[axis]
+    if step > 0:       # x[i + 1]: my last row is the next block's first
+        face, keep = jax.lax.slice_in_dim(x, 0, 1, axis=axis), jax.lax.slice_in_dim(x, 1, n,
+                                                                                    axis=axis)
+        pairs = [(d, d - 1) for d in range(1, devices)]
+        wrap, edge_device = (0, devices - 1), devices - 1
+    else:              # x[i - 1]: my first row is the previous block's last
+        face, keep = (jax.lax.slice_in_dim(x, n - 1, n, axis=axis),
+                      jax.lax.slice_in_dim(x, 0, n - 1, axis=axis))
+        pairs = [(d, d + 1) for d in range(devices - 1)]
+        wrap, edge_device = (devices - 1, 0), 0
+    if kind == "periodic":
+        pairs.append(wrap)
+    received = jax.lax.ppermute(face, name, pairs)
+    if kind == "neumann":
+        own = (jax.lax.slice_in_dim(x, n - 1, n, axis=axis) if step > 0
+               else jax.lax.slice_in_dim(x, 0, 1, axis=axis))
+        received = jnp.where(jax.lax.axis_index(name) == edge_device, own, received)
+    parts = [keep, received] if step > 0 else [received, keep]
+    return jnp.concatenate(parts, axis=axis)
+
+
+def _axis_names(axis_names, ndim: int) -> tuple:
+    """`axis_names` checked: None, or one mesh axis name (or None) per grid axis."""
+    if axis_names is None:
+        return (None,) * ndim
+    names = tuple(axis_names) if isinstance(axis_names, tuple | list) else None
+    if names is None or len(names) != ndim or not all(a is None or isinstance(a, str)
+                                                      for a in names):
+        raise ValueError(f"`axis_names` gives, per grid axis, the `shard_map` mesh axis that "
+                         f"splits it or None ({ndim} entries, e.g. ('i', None)); got "
+                         f"{axis_names!r}.")
+    return names
+
+
+def global_index(shape: tuple, axis: int, name):
+    """The grid index along `axis` of each point of a block (its position in
+    the whole grid inside `shard_map`), and the whole grid's length."""
+    local = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+    if name is None:
+        return local, shape[axis]
+    return local + jax.lax.axis_index(name) * shape[axis], shape[axis] * jax.lax.psum(1, name)
+
+
 def stencil_operator(entries: Mapping, *, shape: tuple | None = None,
-                     boundary: str | tuple = "dirichlet") -> StencilOperator:
+                     boundary: str | tuple = "dirichlet", axis_names=None) -> StencilOperator:
     """A structured-grid operator given by its stencil.
 
     `y[i] = sum over offsets o of entries[o][i] * x[i + o]`, for `i` over a
@@ -146,6 +202,10 @@ def stencil_operator(entries: Mapping, *, shape: tuple | None = None,
         shape: the grid's shape; needed only when every entry is a scalar.
         boundary: one of `"dirichlet"`, `"neumann"`, `"periodic"`, or a tuple
             of them, one per axis.
+        axis_names: inside `shard_map`, per grid axis the mesh axis that
+            splits it into the blocks this function sees (or None), e.g.
+            `("i", None)`: `shape` and the entries are then one block's, and
+            the halos come from the neighbours by `ppermute`.
 
     Returns:
         A `StencilOperator`: a callable `x -> A x` (usable as any solver's
@@ -184,7 +244,8 @@ def stencil_operator(entries: Mapping, *, shape: tuple | None = None,
         if not jnp.issubdtype(coefficient.dtype, jnp.inexact):
             coefficient = coefficient.astype(jnp.result_type(float))
         clean[tuple(int(o) for o in offset)] = coefficient
-    return StencilOperator(clean, shape, _boundaries(boundary, len(shape)))
+    return StencilOperator(clean, shape, _boundaries(boundary, len(shape)),
+                           _axis_names(axis_names, len(shape)))
 
 
 def _boundaries(boundary, ndim: int) -> tuple:
@@ -199,8 +260,8 @@ def _boundaries(boundary, ndim: int) -> tuple:
 
 
 def diffusion_operator(k: Any, *, shape: tuple | None = None, spacing: Any = 1.0,
-                       boundary: str | tuple = "dirichlet", shift: Any = 0.0
-                       ) -> StencilOperator:
+                       boundary: str | tuple = "dirichlet", shift: Any = 0.0,
+                       axis_names=None) -> StencilOperator:
     """The cell-centred finite-volume `-div(k grad u) + shift * u` on a grid.
 
     The flux through the face between neighbouring cells `i` and `i + e_a` is
@@ -226,6 +287,9 @@ def diffusion_operator(k: Any, *, shape: tuple | None = None, spacing: Any = 1.0
         spacing: the cell size, one number or one per axis.
         boundary: `"dirichlet"`, `"neumann"`, `"periodic"` or one per axis.
         shift: a scalar or an array of the grid's shape added to the diagonal.
+        axis_names: inside `shard_map`, per grid axis the mesh axis that
+            splits it (or None); `k`, `shift` and `shape` are then one
+            block's (see `stencil_operator`).
 
     Returns:
         A `StencilOperator` with the `2 ndim + 1` offsets of the 3-, 5- or
@@ -262,6 +326,7 @@ def diffusion_operator(k: Any, *, shape: tuple | None = None, spacing: Any = 1.0
     if len(h) != ndim or not all(float(v) > 0 for v in h):
         raise ValueError(f"`spacing` must be positive, one number or {ndim}; got {spacing!r}.")
     bounds = _boundaries(boundary, ndim)
+    names = _axis_names(axis_names, ndim)
     dtype = jnp.result_type(*ks, shift)
     if not jnp.issubdtype(dtype, jnp.inexact):
         dtype = jnp.result_type(float)
@@ -271,36 +336,41 @@ def diffusion_operator(k: Any, *, shape: tuple | None = None, spacing: Any = 1.0
         kc = jnp.broadcast_to(jnp.asarray(ks[axis], dtype), shape)
         scale = 1.0 / float(h[axis]) ** 2
         for side in (1, -1):
-            face = _face_coefficient(kc, axis, side, bounds[axis]) * scale
+            face = _face_coefficient(kc, axis, side, bounds[axis], names[axis]) * scale
             offset = tuple(side if a == axis else 0 for a in range(ndim))
-            entries[offset] = (-face * _interior(shape, axis, side, bounds[axis])).astype(dtype)
+            inside = _interior(shape, axis, side, bounds[axis], names[axis])
+            entries[offset] = (-face * inside).astype(dtype)
             centre = centre + face
     entries[(0,) * ndim] = centre.astype(dtype)
-    return StencilOperator(entries, shape, bounds)
+    return StencilOperator(entries, shape, bounds, names)
 
 
-def _face_coefficient(kc, axis: int, side: int, boundary: str):
+def _face_coefficient(kc, axis: int, side: int, boundary: str, name=None):
     """Per cell, the coefficient of its face on `side` (+1 or -1) of `axis`:
     the harmonic mean with the neighbour; at the grid's edge `2 k` (Dirichlet,
     the face half a cell out), 0 (Neumann) or the wrapped neighbour's mean."""
-    neighbour = jnp.roll(kc, -side, axis=axis)
+    neighbour = _unit_shift(kc, axis, side, "periodic" if boundary == "periodic" else "dirichlet",
+                            name)
     mean = 2 * kc * neighbour / (kc + neighbour)
     if boundary == "periodic":
         return mean
-    edge = _edge_mask(kc.shape, axis, side)
+    edge = _edge_mask(kc.shape, axis, side, name)
     return jnp.where(edge, 2 * kc if boundary == "dirichlet" else 0.0, mean)
 
 
-def _edge_mask(shape: tuple, axis: int, side: int) -> np.ndarray:
+def _edge_mask(shape: tuple, axis: int, side: int, name=None):
     """True at the cells whose `side` face on `axis` is the grid's edge."""
+    if name is not None:
+        index, n = global_index(shape, axis, name)
+        return index == (n - 1 if side == 1 else 0)
     index = np.arange(shape[axis])
     edge = index == (shape[axis] - 1 if side == 1 else 0)
     return edge.reshape([-1 if a == axis else 1 for a in range(len(shape))])
 
 
-def _interior(shape: tuple, axis: int, side: int, boundary: str):
+def _interior(shape: tuple, axis: int, side: int, boundary: str, name=None):
     """1 where the neighbour on `side` of `axis` is a cell of the grid (or
     wrapped), 0 at the edge: the off-diagonal entry there couples to nothing."""
     if boundary == "periodic":
         return 1.0
-    return np.where(_edge_mask(shape, axis, side), 0.0, 1.0)
+    return jnp.where(_edge_mask(shape, axis, side, name), 0.0, 1.0)
