@@ -110,9 +110,10 @@ def _shifts(x, offsets: list, boundary: tuple, axis_names: tuple) -> list:
 def _unit_shift(x, axis: int, step: int, kind: str, name=None):
     """`x[i + step]` along `axis` (`step` = +1 or -1), outside the grid as `kind`
     says; `name`: the mesh axis that splits the grid axis into the blocks of
-    a `shard_map` (the halo then comes from the neighbour). Dirichlet: one `lax.pad` with a negative low (or high) edge, which
-    XLA fuses into its consumer as well as a slice (half the time of a pad
-    then a slice on the CPU); Neumann and periodic pad by the edge or the
+    a `shard_map` (the halo then comes from the neighbour). Dirichlet: one
+    `lax.pad` with a negative low (or high) edge, which XLA fuses into its
+    consumer as well as a slice (half the time of a pad then a slice on the
+    CPU); Neumann and periodic pad by the edge or the
     wrapped value and slice."""
     if name is not None:
         return _halo_shift(x, axis, step, kind, name)
