@@ -36,7 +36,7 @@ jax.config.update("jax_enable_x64", True)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from problems import parse_args  # noqa: E402
+from problems import median_time, parse_args  # noqa: E402
 
 import solvax as sx  # noqa: E402
 
@@ -176,15 +176,6 @@ def nonsymmetric(small):
     return rows
 
 
-def timed(fn, *args, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def timing(small):
     n = 64 if small else 1024
     repeats = 3
@@ -206,11 +197,9 @@ def timing(small):
     op = sx.diffusion_operator(k)
     out["mg_iterations"] = int(sol.iterations)
     out["mg_residual"] = relative_residual(op, sol.x, b)
-    out["mg_s"] = timed(compiled, k, b, repeats=repeats)
-    plain_jit = jax.jit(plain)
-    sol = plain_jit(k, b)
-    out["cg_iterations"] = int(sol.iterations)
-    out["cg_s"] = timed(plain_jit, k, b, repeats=1 if not small else repeats)
+    out["mg_s"] = median_time(mg, k, b, repeats=repeats)
+    out["cg_iterations"] = int(jax.jit(plain)(k, b).iterations)
+    out["cg_s"] = median_time(plain, k, b, repeats=1 if not small else repeats)
     amg = [pyamg_solve(op, b) for _ in range(repeats)]
     out["pyamg_rs_s"] = statistics.median(a["setup_s"] + a["solve_s"] for a in amg)
     out["pyamg_rs_iterations"] = amg[0]["iterations"]

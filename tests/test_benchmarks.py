@@ -138,3 +138,16 @@ def test_fit_latency_small(tmp_path):
         assert row["model_s"] == pytest.approx(model(8, data["shared"]), rel=1e-9)
         assert {int(p): t for p, t in row["projection_s"].items()} == pytest.approx(
             {p: model(p) for p in (1, 8, 64, 512, 4096, 10_000)}, rel=1e-9)
+
+
+def test_benchmark_multigrid_small(tmp_path):
+    path = tmp_path / "mg.json"
+    run("benchmark_multigrid.py", "--small", "--json", str(path))
+    data = json.loads(path.read_text())
+    for row in data["sizes"]:
+        for key in ("jacobi", "chebyshev"):
+            assert row[key]["status"] == "CONVERGED" and row[key]["residual"] < 1e-8
+        assert row["pyamg_rs"]["residual"] < 1e-8
+    assert all(r["status"] == "CONVERGED" for r in data["coefficients"] + data["nonsymmetric"])
+    timing = data["time"]
+    assert timing["mg_residual"] < 1e-8 and timing["mg_iterations"] < timing["cg_iterations"]

@@ -111,11 +111,13 @@ def _calls(path):
 
 
 # The direct structured solves work on arrays with named block axes (they
-# stack spike columns and corner blocks of one system), and multigrid's
-# transfers interleave and split the points of a grid axis (its collectives
-# pinned in test_multigrid); the rule below is about the Krylov vectors,
-# which are pytrees whose leaves keep their own sharding.
-STRUCTURED = {"_tridiagonal.py", "_block_tridiagonal.py", "_partitioned.py", "_multigrid.py"}
+# stack spike columns and corner blocks of one system), and the grid
+# operators join a block's halo to it and multigrid's transfers interleave
+# and split the points of a grid axis (their collectives pinned in
+# test_stencil and test_multigrid); the rule below is about the Krylov
+# vectors, which are pytrees whose leaves keep their own sharding.
+STRUCTURED = {"_tridiagonal.py", "_block_tridiagonal.py", "_partitioned.py", "_multigrid.py",
+              "_stencil.py"}
 
 
 def test_no_flattening_in_the_library():
