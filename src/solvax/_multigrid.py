@@ -446,10 +446,10 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     Builds a hierarchy from `operator`'s stencil: each level coarsens the
     grid by two along its strongly coupled axes (all of them for an
     isotropic operator; only the strong ones where it is anisotropic:
-    semicoarsening), with the Galerkin coarse operator `R A P` (linear
-    interpolation `P`, `R = P^T`) computed as a stencil; the coarsest level
-    (at most `coarse_size` points, or nothing left to coarsen) is solved
-    with a dense pseudo-inverse. Applying it runs one cycle from zero.
+    semicoarsening), with the Galerkin coarse operator `R A P`
+    (operator-dependent interpolation `P`, `R = P^T`) computed as a
+    stencil; the coarsest level (at most `coarse_size` points, or nothing
+    left to coarsen) is solved with a dense pseudo-inverse. Applying it runs one cycle from zero.
 
     With symmetric smoothing (the same `steps` before and after) the cycle
     is symmetric positive definite for an SPD operator, so it preconditions
@@ -510,10 +510,10 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     steps = _checks.check_int("steps", steps, 1)
     coarse_size = _checks.check_int("coarse_size", coarse_size, 1, 4096)
     max_levels = _checks.check_int("max_levels", max_levels, 1)
-    for name, value, high in (("semicoarsening", semicoarsening, 1.0),
-                              ("chebyshev_lower", chebyshev_lower, 1.0)):
-        if not 0 < float(value) <= high or (name == "chebyshev_lower" and value >= 1):
-            raise ValueError(f"`{name}` must be in (0, 1); got {value!r}.")
+    if not 0 < float(semicoarsening) <= 1:
+        raise ValueError(f"`semicoarsening` must be in (0, 1]; got {semicoarsening!r}.")
+    if not 0 < float(chebyshev_lower) < 1:
+        raise ValueError(f"`chebyshev_lower` must be in (0, 1); got {chebyshev_lower!r}.")
     dtype = jnp.result_type(*operator.entries.values())
     if jnp.finfo(dtype).bits < 32:
         raise TypeError(f"`operator` has {jnp.dtype(dtype).name} coefficients; multigrid needs "
