@@ -28,6 +28,8 @@ from ._linear_solve import linear_solve as linear_solve
 from ._minres import minres as minres
 from ._multigrid import Multigrid as Multigrid
 from ._multigrid import multigrid as multigrid
+from ._newton import NewtonSolution as NewtonSolution
+from ._newton import newton_krylov as newton_krylov
 from ._parallel import shard_batch as shard_batch
 from ._parallel import shard_map as shard_map
 from ._partitioned import (
@@ -75,6 +77,8 @@ __all__ = [
     "minres",
     "Multigrid",
     "multigrid",
+    "newton_krylov",
+    "NewtonSolution",
     "partitioned_block_tridiagonal_solve",
     "partitioned_tridiagonal_solve",
     "pcg",

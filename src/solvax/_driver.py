@@ -88,7 +88,7 @@ class Static:
         return cls(value)
 
 
-def _option(value):
+def as_option(value):
     """`value` as a `Static` where it is a concrete number, else as it is."""
     return value if isinstance(value, jax.Array | jax.core.Tracer) else Static(value)
 
@@ -223,7 +223,7 @@ def make_problem(matvec, b, *, x0=None, precond=None, rtol=0.0, atol=0.0, inner_
     check_inner_product(ip, b)
     return Problem(A=closed_operator("matvec", matvec, b), b=b, x0=x0,
                    precond=None if precond is None else closed_operator("precond", precond, b),
-                   rtol=_option(rtol), atol=_option(atol), ip=ip)
+                   rtol=as_option(rtol), atol=as_option(atol), ip=ip)
 
 
 def closed_operator(name: str, fn, b) -> Closed:
@@ -253,7 +253,7 @@ def check_inner_product(ip: _reduce.Reduction, b) -> None:
                          "over every entry (e.g. `jnp.sum(jnp.conj(x) * w * y)`).")
 
 
-def _check_reduced_over(name: str, op, problem: Problem) -> None:
+def check_reduced_over(name: str, op, problem: Problem) -> None:
     """An operator that communicates over a mesh axis (a halo exchange inside
     `shard_map`) couples the shards, so the inner products must reduce over
     that axis too: otherwise every shard decides convergence on its own piece,
@@ -301,7 +301,7 @@ def solve(method: Method, matvec, b, /, *, x0, precond, rtol, atol, inner_produc
     problem = problem._replace(data=data)
     for name, op in (("matvec", problem.A), ("precond", problem.precond)):
         if op is not None:
-            _check_reduced_over(name, op, problem)
+            check_reduced_over(name, op, problem)
     run = functools.partial(_run_and_finish, method, options)
     # The transposed solve: the same method on A^T, started from zero.
     return implicit_solve(problem, run, lambda p: run(p._replace(x0=None)), failed_derivative)
@@ -430,7 +430,7 @@ def solved_ok(out):
     return out, (out.converged if isinstance(out, Solution) else jnp.bool_(True))
 
 
-def _solution_checked(out_ok, failed_derivative: str):
+def solution_checked(out_ok, failed_derivative: str):
     """The solution of `(out, ok)`; NaN where its solve failed (`"nan"`), so a
     finite derivative is a correct one."""
     out, ok = out_ok
@@ -486,8 +486,8 @@ def implicit_solve(problem: Problem, run, run_transposed, failed_derivative: str
         At = transposed(A)
         dx = jax.lax.custom_linear_solve(
             A, tree.sub(db, dA_x),
-            lambda _, r: _solution_checked(primal(r), failed_derivative),
-            lambda _, r: _solution_checked(run_transposed(Problem(At, r, *rest)),
+            lambda _, r: solution_checked(primal(r), failed_derivative),
+            lambda _, r: solution_checked(run_transposed(Problem(At, r, *rest)),
                                            failed_derivative))
         if isinstance(out, Solution):
             dout = jax.tree_util.tree_map(jnp.zeros_like, out)._replace(x=dx)

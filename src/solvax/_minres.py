@@ -182,7 +182,12 @@ def _run(problem: Problem, *, max_steps: int | None, record_history: bool) -> Ou
                 phibar=jnp.full((), jnp.inf, real), tnorm2=zero, k=jnp.int32(0),
                 status=jnp.int32(RUNNING), history=problem.history(max_steps + 1,
                                                                    record_history))
-    ctx = _Context(A=problem.A, M=M, ip=ip, max_steps=max_steps, rtol=rtol)
+    # The least-squares test at most sqrt(eps): for a consistent system
+    # ||A r|| / (||A|| ||r||) stays above 1 / cond(A), which a loose `rtol`
+    # (0.5, as Newton's first steps ask) exceeds on an SPD Laplacian after 2
+    # steps: it was reported as a singular system's breakdown
+    ls_tol = jnp.minimum(rtol, jnp.sqrt(jnp.finfo(real).eps).astype(real))
+    ctx = _Context(A=problem.A, M=M, ip=ip, max_steps=max_steps, rtol=ls_tol)
     inf = jnp.full((), jnp.inf, real)
     rd = _Round(st=st, target=tol, true=(inf, tol, zero), status=code(RUNNING),
                 go=jnp.bool_(True))
@@ -241,7 +246,8 @@ def minres(
     invariant before the tolerance was met: for a singular `A` and an
     inconsistent `b`, `x` then minimizes `||b - A x||_M` over the Krylov
     space, a least-squares solution (not necessarily the minimum-norm one;
-    detected as `||A r|| <= rtol ||A|| ||r||`, Paige & Saunders' test). A
+    detected as `||A r|| <= min(rtol, sqrt(eps)) ||A|| ||r||`, Paige &
+    Saunders' test, with `eps` the rounding unit). A
     consistent singular system converges.
 
     Args:

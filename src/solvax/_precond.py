@@ -24,14 +24,20 @@ def jacobi(diagonal: PyTree) -> Callable[[PyTree], PyTree]:
             (each leaf sharded like its vector leaf; nonzero entries).
 
     Returns:
-        `precond(r)`, elementwise: no communication.
+        `precond(r)`, elementwise: no communication. A pytree (a
+        `jax.tree_util.Partial`), so it can be returned by
+        `newton_krylov`'s `precond_builder`.
 
     Raises:
         TypeError: non-floating leaves.
     """
     _checks.check_vector("diagonal", diagonal)
     inverse = jax.tree_util.tree_map(lambda d: 1 / d, diagonal)
-    return lambda r: jax.tree_util.tree_map(lambda i, v: (i * v).astype(v.dtype), inverse, r)
+    return jax.tree_util.Partial(_scaled_by, inverse)
+
+
+def _scaled_by(inverse: PyTree, r: PyTree) -> PyTree:
+    return jax.tree_util.tree_map(lambda i, v: (i * v).astype(v.dtype), inverse, r)
 
 
 def block_jacobi(blocks: jax.Array) -> Callable[[jax.Array], jax.Array]:

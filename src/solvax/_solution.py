@@ -23,6 +23,8 @@ class Status(enum.IntEnum):
     NONFINITE = 4
     STAGNATION = 5
     INVALID_TOLERANCE = 6
+    LINE_SEARCH = 7
+    LINEAR_SOLVE = 8
 
     @property
     def message(self) -> str:
@@ -52,6 +54,13 @@ _MESSAGES = {
     Status.INVALID_TOLERANCE: "not solved: a tolerance passed as a traced value was negative "
     "or NaN (`rtol` and `atol` must be finite and >= 0; concrete ones are refused when the "
     "solve is traced)",
+    Status.LINE_SEARCH: "not converged (`newton_krylov`): no step along the Newton direction "
+    "reduced ||F|| enough (Armijo) within `max_backtracks` reductions (a non-finite F counts as "
+    "no reduction); the iterate before that step is returned. Precondition or tighten the "
+    "linear solves (`forcing`, `max_inner`), or start closer to a root",
+    Status.LINEAR_SOLVE: "not converged (`newton_krylov`): the linear solve for the Newton step "
+    "failed (non-finite, or a breakdown that gave no usable direction); "
+    "`linear_status` says how",
 }
 
 
@@ -106,14 +115,27 @@ class Solution(NamedTuple):
     @property
     def message(self) -> str:
         """Host-side, human-readable status (concrete values only)."""
-        codes = np.atleast_1d(np.asarray(self.status))
-        return "; ".join(sorted({Status(int(c)).message for c in codes}))
+        return describe(self.status)
 
     def check(self) -> Solution:
         """Host-side: return `self` if every solve converged, else raise `RuntimeError`."""
-        if not bool(np.all(np.asarray(self.converged))):
-            raise RuntimeError(f"solvax: solve did not converge: {self.message}")
-        return self
+        return checked(self)
+
+
+def describe(status, messages=None) -> str:
+    """Host-side: the messages of the (concrete, possibly batched) status codes
+    (`messages`: replacements for some statuses' messages)."""
+    codes = np.atleast_1d(np.asarray(status))
+    messages = messages or {}
+    return "; ".join(sorted({messages.get(Status(int(c)), Status(int(c)).message)
+                             for c in codes}))
+
+
+def checked(result):
+    """Host-side: `result` if every solve in it converged, else `RuntimeError`."""
+    if not bool(np.all(np.asarray(result.converged))):
+        raise RuntimeError(f"solvax: solve did not converge: {result.message}")
+    return result
 
 
 def final_status(loop_status, true_ok, true_norm):
