@@ -24,8 +24,8 @@ from ._driver import (
     check_inner_product,
     check_reduced_over,
     default_rtol,
-    solved_ok,
     solution_checked,
+    solved_ok,
 )
 from ._gmres import gmres
 from ._idrs import idrs
