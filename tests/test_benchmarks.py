@@ -89,6 +89,21 @@ def test_benchmark_peers_then_multigrid_small(tmp_path):
     check_benchmark_multigrid_small(tmp_path)
 
 
+def test_benchmark_newton_small(tmp_path):
+    path = tmp_path / "newton.json"
+    run("benchmark_newton.py", "--small", "--json", str(path))
+    data = json.loads(path.read_text())
+    for row in data["multigrid"] + data["defaults"]:
+        assert row["status"] == "CONVERGED" and row["relative_residual"] <= 1e-10, row
+    for row in data["defaults"]:
+        assert row["scipy"]["relative_residual"] <= 1e-10
+        assert row["vs_scipy"] == pytest.approx(row["run_s"] / row["scipy"]["run_s"], rel=1e-12)
+    for row in data["forcing"]:
+        inner = [row[f]["inner"] for f in ("eisenstat_walker", "0.1", "0.01", "0.001")]
+        assert row["default_vs_best"] == pytest.approx(inner[0] / min(inner), rel=1e-12)
+    assert data["derivative"]["relative_error"] < 1e-6
+
+
 def test_benchmark_tridiagonal_small(tmp_path):
     path = tmp_path / "tri.json"
     run("benchmark_tridiagonal.py", "--n", "4096", "--json", str(path))

@@ -54,3 +54,14 @@ def test_diffusion_3d_multigrid_beats_jacobi_iterations_with_halos_only():
                                                                          "Jacobi-CG"))
     assert "CONVERGED" in lines["multigrid-CG"] and mg <= 12 and jacobi > 3 * mg
     assert "all-to-all" not in out and "all-gather          1" in out
+
+
+def test_bratu_newton_converges_sharded_with_multigrid():
+    out = run("bratu_newton.py", "--n", "32")
+    first = out.splitlines()[0]
+    assert "CONVERGED" in first and "P('i', None)" in first, out
+    steps = int(first.split(" in ")[1].split()[0])
+    assert steps <= 8
+    norms = [float(line.split("= ")[1]) for line in out.splitlines() if "||F(u)||" in line]
+    assert len(norms) == steps + 1 and norms[-1] <= 1e-10 * norms[0]
+    assert float(out.split("d mean(u) / d lambda = ")[1].split()[0]) > 0

@@ -27,6 +27,7 @@ from ._idrs import idrs
 from ._linear_solve import linear_solve
 from ._minres import minres
 from ._multigrid import multigrid
+from ._newton import newton_krylov
 from ._parallel import shard_map
 from ._partitioned import partitioned_block_tridiagonal_solve, partitioned_tridiagonal_solve
 from ._stencil import diffusion_operator
@@ -139,6 +140,12 @@ def _multigrid_cg(k, b):
     return pcg(A, b, precond=multigrid(A)).x
 
 
+def _newton(d, b):
+    """Newton–Krylov on `d u + u^3 = b` (BiCGStab inside): a step is its linear
+    solve's collectives and one norm of `F` per step length tried."""
+    return newton_krylov(lambda u: d * u + u**3 - b, jnp.zeros_like(b), rtol=1e-10).u
+
+
 def _multigrid_cases(mesh: Mesh, rng) -> dict[str, tuple[Callable, tuple]]:
     """MG-preconditioned CG on a 64 x 64 diffusion problem (coefficient field
     and right-hand side sharded; the hierarchy built inside the program): the
@@ -173,6 +180,7 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
         **{case: (_krylov(solver, options), (tree_d, tree_b))
            for case, solver, options in _PYTREE},
         **_multigrid_cases(mesh, rng),
+        "Newton-Krylov (BiCGStab inside), F(u) = d u + u^3 - b, P('i')": (_newton, (diag, b)),
     }
 
 
