@@ -106,6 +106,29 @@ def test_forcing_terms(forcing):
     converged_for_real(F, sol, 1e-10)
 
 
+def test_float32_stops_at_its_rounding_level():
+    """float32 Bratu: to rtol 1e-4 it converges; at the default (1.2e-5) ||F||
+    reaches its rounding level first, and the solve stops there with
+    LINE_SEARCH (steps that left ||F|| unchanged were accepted until
+    `max_steps` before the line search asked for a strict decrease)."""
+    F, u0 = bratu(), U0.astype(jnp.float32)
+    sol = sx.newton_krylov(F, u0, rtol=1e-4)
+    assert int(sol.status) == Status.CONVERGED and sol.u.dtype == jnp.float32
+    sol = sx.newton_krylov(F, u0)
+    assert int(sol.status) in (Status.CONVERGED, Status.LINE_SEARCH), sol.message
+    assert int(sol.iterations) < 20
+
+
+def test_no_root_stops_with_a_status_in_a_batch():
+    """Bratu has no solution past 6.81: under `vmap` the other members converge."""
+    def solve(lam):
+        return sx.newton_krylov(bratu(lam), U0, precond_builder=bratu_multigrid(lam))
+
+    sol = jax.vmap(solve)(jnp.array([1.0, 6.0, 7.5]))
+    assert list(np.asarray(sol.status)) == [Status.CONVERGED, Status.CONVERGED,
+                                            Status.LINE_SEARCH]
+
+
 def test_a_pytree_state():
     """Two unknowns coupled through `F`: a dict state, each leaf its own shape."""
     def F(u):

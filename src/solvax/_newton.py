@@ -186,7 +186,10 @@ def _line_search(opt: _Options, F, ip, st: _State, d, eta, usable):
             f = ip.norm(F(u))
         ok = jnp.isfinite(f)
         if opt.line_search:
-            ok &= f <= (1 - ARMIJO * t * (1 - eta)) * st.fnorm
+            # strictly lower as well: for small t the factor rounds to 1 (float32:
+            # t < 1e-3), and steps that left ||F|| at its rounding level unchanged
+            # were accepted until `max_steps`
+            ok &= (f <= (1 - ARMIJO * t * (1 - eta)) * st.fnorm) & (f < st.fnorm)
         return _Trial(t=t, u=u, f=f, n=trial.n + 1, ok=ok)
 
     start = _Trial(t=one, u=st.u, f=st.fnorm, n=jnp.int32(0), ok=jnp.bool_(False))

@@ -56,8 +56,10 @@ _MESSAGES = {
     "solve is traced)",
     Status.LINE_SEARCH: "not converged (`newton_krylov`): no step along the Newton direction "
     "reduced ||F|| enough (Armijo) within `max_backtracks` reductions (a non-finite F counts as "
-    "no reduction); the iterate before that step is returned. Precondition or tighten the "
-    "linear solves (`forcing`, `max_inner`), or start closer to a root",
+    "no reduction); the iterate before that step is returned. Near the tolerance, ||F|| "
+    "has reached its rounding level (loosen `rtol`/`atol`, e.g. in float32); far from it, "
+    "precondition or tighten the linear solves (`forcing`, `max_inner`), or start closer "
+    "to a root (there may be none)",
     Status.LINEAR_SOLVE: "not converged (`newton_krylov`): the linear solve for the Newton step "
     "failed (non-finite, or a breakdown that gave no usable direction); "
     "`linear_status` says how",
