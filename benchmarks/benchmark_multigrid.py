@@ -24,7 +24,6 @@ relative residual of 1e-8 (checked on the returned x). Parts (`--only`):
 `--small` runs every part on grids of at most 32^2 / 8^3 (a smoke test).
 """
 
-import json
 import math
 import os
 import statistics
@@ -36,7 +35,7 @@ jax.config.update("jax_enable_x64", True)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from problems import median_time, parse_args  # noqa: E402
+from problems import median_time, parse_args, run_parts  # noqa: E402
 
 import solvax as sx  # noqa: E402
 
@@ -240,15 +239,10 @@ def plot(out, path):
 
 def main():
     args = parse_args(__doc__)
-    out = {"jax": jax.__version__, "cpu_count": os.cpu_count(), "rtol": RTOL}
-    for name, part in (("sizes", sizes), ("coefficients", coefficients),
-                       ("nonsymmetric", nonsymmetric), ("time", timing)):
-        if args.only in name:
-            out[name] = part(args.small)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
+    out = run_parts(args, (("sizes", sizes), ("coefficients", coefficients),
+                           ("nonsymmetric", nonsymmetric), ("time", timing)),
+                    {"jax": jax.__version__, "cpu_count": os.cpu_count(), "rtol": RTOL},
+                    args.small)
     if args.plot and "sizes" in out:
         plot(out, args.plot)
 

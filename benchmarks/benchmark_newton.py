@@ -23,7 +23,6 @@ Newton step from 0 overshoots. Parts (`--only`):
 `--small` runs every part on 16^2 grids (a smoke test).
 """
 
-import json
 import os
 import time
 
@@ -33,7 +32,13 @@ jax.config.update("jax_enable_x64", True)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from problems import bratu, median_time, nonlinear_convection, parse_args  # noqa: E402
+from problems import (  # noqa: E402
+    bratu,
+    median_time,
+    nonlinear_convection,
+    parse_args,
+    run_parts,
+)
 
 import solvax as sx  # noqa: E402
 
@@ -158,15 +163,9 @@ def derivative(small):
 
 def main():
     args = parse_args(__doc__)
-    out = {"jax": jax.__version__, "cpu_count": os.cpu_count(), "rtol": RTOL}
-    for name, part in (("multigrid", multigrid), ("defaults", defaults),
-                       ("forcing", forcing), ("derivative", derivative)):
-        if args.only in name:
-            out[name] = part(args.small)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
+    run_parts(args, (("multigrid", multigrid), ("defaults", defaults), ("forcing", forcing),
+                     ("derivative", derivative)),
+              {"jax": jax.__version__, "cpu_count": os.cpu_count(), "rtol": RTOL}, args.small)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ one device, with its error and collectives. `--small` uses n = 64 and a
 batch of 8; `--only blocks|sharded|partitioned` runs one part.
 """
 
-import json
 import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -34,7 +33,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from problems import median_time as timed  # noqa: E402
-from problems import parse_args  # noqa: E402
+from problems import parse_args, write_json  # noqa: E402
 
 import solvax as sx  # noqa: E402
 
@@ -146,10 +145,7 @@ def main():
         out["sharded_batch"] = sharded_batch(batch, n)
     if args.only in ("", "partitioned"):
         out["partitioned"] = partitioned(n)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

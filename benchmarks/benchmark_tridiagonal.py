@@ -11,7 +11,6 @@ this host, not a real multi-device speed-up.
 """
 
 import argparse
-import json
 import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -27,6 +26,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from problems import median_time as timed  # noqa: E402
+from problems import write_json  # noqa: E402
 
 import solvax as sx  # noqa: E402
 
@@ -66,10 +66,7 @@ def main():
                               "bytes": report.bytes_by_kind}
     print(f"collectives of the partitioned solve: {report.total} {report.by_kind}, "
           f"bytes {report.bytes_by_kind}; load average {os.getloadavg()}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

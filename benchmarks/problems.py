@@ -64,6 +64,26 @@ def parse_args(doc):
     return parser.parse_args()
 
 
+def write_json(path, out):
+    """Write a benchmark's results to `path` (when given: its `--json`)."""
+    import json
+
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {path}")
+
+
+def run_parts(args, parts, out, small):
+    """Run each `(name, part)` whose name contains `--only` (`out[name] =
+    part(small)`), then write `out` to `--json`."""
+    for name, part in parts:
+        if args.only in name:
+            out[name] = part(small)
+    write_json(args.json, out)
+    return out
+
+
 def median_time(fn, *args, repeats=5):
     """Median wall time (s) of `repeats` warm runs of `jax.jit(fn)(*args)`
     (the first call, which compiles, is not timed)."""

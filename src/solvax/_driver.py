@@ -211,19 +211,33 @@ def make_problem(matvec, b, *, x0=None, precond=None, rtol=0.0, atol=0.0, inner_
     _checks.check_precision("b", b)
     _checks.check_callable("matvec", matvec)
     b = _checks.strong(b)
-    rtol = default_rtol(b) if rtol is None else rtol
     if x0 is not None:
         _checks.check_like("x0", x0, "b", b)
         x0 = _checks.strong(x0)
-    _checks.check_tolerance("rtol", rtol)
-    _checks.check_tolerance("atol", atol)
-    ip = _reduce.resolve(inner_product, axis_name)
-    with _checks.failures_named("inner_product"):
-        ip = ip.closed(b)
-    check_inner_product(ip, b)
+    rtol = checked_tolerances(rtol, atol, b)
+    ip = resolved_inner_product(inner_product, axis_name, b)
     return Problem(A=closed_operator("matvec", matvec, b), b=b, x0=x0,
                    precond=None if precond is None else closed_operator("precond", precond, b),
                    rtol=as_option(rtol), atol=as_option(atol), ip=ip)
+
+
+def checked_tolerances(rtol, atol, like):
+    """`rtol` (its default for `like`'s precision when None), both tolerances
+    checked where concrete."""
+    rtol = default_rtol(like) if rtol is None else rtol
+    _checks.check_tolerance("rtol", rtol)
+    _checks.check_tolerance("atol", atol)
+    return rtol
+
+
+def resolved_inner_product(inner_product, axis_name, like) -> _reduce.Reduction:
+    """The `inner_product=`/`axis_name=` options as a reduction, closed over
+    vectors like `like` and checked (`check_inner_product`)."""
+    ip = _reduce.resolve(inner_product, axis_name)
+    with _checks.failures_named("inner_product"):
+        ip = ip.closed(like)
+    check_inner_product(ip, like)
+    return ip
 
 
 def closed_operator(name: str, fn, b) -> Closed:

@@ -21,9 +21,9 @@ from ._driver import (
     Problem,
     Static,
     as_option,
-    check_inner_product,
     check_reduced_over,
-    default_rtol,
+    checked_tolerances,
+    resolved_inner_product,
     solution_checked,
     solved_ok,
 )
@@ -409,13 +409,8 @@ def newton_krylov(
     opt = _options(solver, solver_options, precond, precond_builder, refresh, forcing,
                    max_inner, max_steps, line_search, max_backtracks, failed_derivative)
     pre = _closed_preconditioner(precond, precond_builder, u0)
-    rtol = default_rtol(u0) if rtol is None else rtol
-    _checks.check_tolerance("rtol", rtol)
-    _checks.check_tolerance("atol", atol)
-    ip = _reduce.resolve(inner_product, axis_name)
-    with _checks.failures_named("inner_product"):
-        ip = ip.closed(u0)
-    check_inner_product(ip, u0)
+    rtol = checked_tolerances(rtol, atol, u0)
+    ip = resolved_inner_product(inner_product, axis_name, u0)
     check_reduced_over("F", Fc, Problem(A=Fc, b=u0, ip=ip))
     return _solve(opt, Fc, u0, (pre, as_option(rtol), as_option(atol), ip))
 
