@@ -111,9 +111,11 @@ def multigrid(small):
     return rows
 
 
-def defaults(small):
-    cases = ([("bratu 6", 16), ("bratu 6.7", 16), ("convection", 16)] if small else
-             [("bratu 6", 128), ("bratu 6.7", 128), ("convection", 128), ("bratu 6", 256)])
+def defaults(small, cases=None):
+    """`cases`: `(problem, n)` pairs (default: every problem)."""
+    cases = cases or ([("bratu 6", 16), ("bratu 6.7", 16), ("convection", 16)] if small else
+                      [("bratu 6", 128), ("bratu 6.7", 128), ("convection", 128),
+                       ("bratu 6", 256)])
     rows = []
     for name, n in cases:
         F, F_np, _ = problem(name, n)

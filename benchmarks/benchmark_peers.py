@@ -12,7 +12,9 @@ strengths 10, 100 and 1000 on 128 x 128 and 512 x 512 grids, solvax's
 default `bicgstab` against `jax.scipy.sparse.linalg.bicgstab` (interleaved
 medians, matvecs, true residual); a latency-bound mesh: 8 emulated
 devices, a diagonal operator on 4096 (and 65536) entries sharded P('i'),
-200 fixed iterations (CG and BiCGStab variants). Reported: compile time
+200 fixed iterations (CG and BiCGStab variants); and the nonlinear row:
+`newton_krylov` with its defaults against SciPy's `newton_krylov` on Bratu
+(λ = 6, 128 x 128; `benchmark_newton.py` has the rest). Reported: compile time
 (lower + compile, caches cleared; median of 5 with the solvers interleaved
 round-robin, and its ratio to jax.scipy's solver of the same method), median
 run time over 5 warm runs with the solvers interleaved round-robin, matvecs,
@@ -36,6 +38,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
+import benchmark_newton  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax.scipy.sparse.linalg as jsp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -335,7 +338,7 @@ def main():
     print(meta)
     rows = []
     # --only: the parts whose name contains it (poisson, convection, bicgstab,
-    # saddle, pytree, latency), e.g. `--only poisson` or `--only latency`
+    # saddle, pytree, latency, newton), e.g. `--only poisson` or `--only latency`
     part = lambda name: args.only in name  # noqa: E731
     b_poisson = jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_poisson, n_poisson)))
     b_cd = jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_cd, n_cd)))
@@ -379,9 +382,12 @@ def main():
         print(f"{r['problem']:40s} {r['solver']:28s} {r['ms_per_iteration']:8.4f} ms/it "
               f"({r['ratio_to_jax_scipy']:.2f}x jax.scipy, "
               f"{r['all_reduces_per_iteration']:g} collectives/it)")
+    newton = (benchmark_newton.defaults(args.small, [("bratu 6", 16 if args.small else 128)])
+              if part("newton") else [])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "problems": rows, "bicgstab_one_device": sweep,
+                       "newton": newton,
                        "pytree_compile_s": compiles,
                        "latency": lat}, f, indent=1)
         print(f"wrote {args.json}")

@@ -86,6 +86,9 @@ def test_benchmark_peers_then_multigrid_small(tmp_path):
     for r in sweep:
         assert r["solvax_true_relative_residual"] <= 1e-8, r
         assert r["ratio"] == pytest.approx(r["solvax_s"] / r["jax_scipy_s"], rel=1e-12)
+    # the nonlinear row: newton_krylov's defaults beside SciPy's
+    (newton,) = data["newton"]
+    assert newton["status"] == "CONVERGED" and newton["scipy"]["relative_residual"] <= 1e-10
     check_benchmark_multigrid_small(tmp_path)
 
 
