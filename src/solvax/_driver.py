@@ -156,10 +156,19 @@ class Problem(NamedTuple):
 
     def tolerances(self) -> tuple[jax.Array, jax.Array]:
         """`(rtol, atol)` in `real_dtype()`."""
-        def value(v):
-            return jnp.asarray(v.value if isinstance(v, Static) else v, self.real_dtype())
+        return option_value(self.rtol, self.real_dtype()), option_value(self.atol,
+                                                                        self.real_dtype())
 
-        return value(self.rtol), value(self.atol)
+
+def option_value(value, dtype) -> jax.Array:
+    """A tolerance (a `Static` number or a traced scalar) as a `dtype` scalar."""
+    return jnp.asarray(value.value if isinstance(value, Static) else value, dtype)
+
+
+def invalid_tolerances(rtol, atol) -> jax.Array:
+    """A traced `rtol` or `atol` that is negative, NaN or infinite (concrete
+    ones are refused at trace time)."""
+    return ~(rtol >= 0) | ~(atol >= 0) | (rtol == jnp.inf) | (atol == jnp.inf)
 
 
 def threshold(bb, rtol, atol):
@@ -240,13 +249,13 @@ def resolved_inner_product(inner_product, axis_name, like) -> _reduce.Reduction:
     return ip
 
 
-def closed_operator(name: str, fn, b) -> Closed:
+def closed_operator(name: str, fn, b, arg: str = "b") -> Closed:
     """`fn` as a `Closed`, its output checked against `b` (on the converted
-    function: the user's function is traced once)."""
+    function: the user's function is traced once); `arg`: `b`'s name in errors."""
     _checks.check_callable(name, fn)
     with _checks.failures_named(name):
         A = close(fn, b)
-    _checks.check_like(f"{name}(b)", jax.eval_shape(A, b), "b", b)
+    _checks.check_like(f"{name}({arg})", jax.eval_shape(A, b), arg, b)
     return A
 
 
@@ -404,8 +413,7 @@ def _judged_tolerances(problem: Problem, sol: Solution) -> Solution:
     iteration stopped at once on its NaN or negative threshold, which is not a
     stagnation."""
     rtol, atol = problem.tolerances()
-    invalid = ~(rtol >= 0) | ~(atol >= 0) | (rtol == jnp.inf) | (atol == jnp.inf)
-    status = jnp.where(invalid, code(Status.INVALID_TOLERANCE), sol.status)
+    status = jnp.where(invalid_tolerances(rtol, atol), code(Status.INVALID_TOLERANCE), sol.status)
     return sol._replace(status=status, converged=status == code(Status.CONVERGED))
 
 

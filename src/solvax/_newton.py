@@ -19,10 +19,12 @@ from ._closure import Closed, close, transposed
 from ._driver import (
     FAILED_DERIVATIVES,
     Problem,
-    Static,
     as_option,
     check_reduced_over,
     checked_tolerances,
+    closed_operator,
+    invalid_tolerances,
+    option_value,
     resolved_inner_product,
     solution_checked,
     solved_ok,
@@ -238,13 +240,11 @@ def _step(opt: _Options, F, pre, ip, tol, st: _State) -> _State:
 def _iterate(opt: _Options, F: Closed, u0, rest) -> NewtonSolution:
     pre, rtol, atol, ip = rest
     real = jnp.finfo(tree.result_dtype(u0)).dtype
-    rtol, atol = (jnp.asarray(v.value if isinstance(v, Static) else v, real)
-                  for v in (rtol, atol))
+    rtol, atol = option_value(rtol, real), option_value(atol, real)
     with jax.named_scope("solvax.newton_krylov.norm"):
         f0 = ip.norm(F(u0))
     tol = jnp.maximum(atol, rtol * f0)
-    invalid = ~(rtol >= 0) | ~(atol >= 0) | (rtol == jnp.inf) | (atol == jnp.inf)
-    status = first_status([(invalid, Status.INVALID_TOLERANCE),
+    status = first_status([(invalid_tolerances(rtol, atol), Status.INVALID_TOLERANCE),
                            (~jnp.isfinite(f0), Status.NONFINITE), (f0 <= tol, Status.CONVERGED),
                            (opt.max_steps == 0, Status.MAX_STEPS)], RUNNING)
     carried = None
@@ -403,9 +403,7 @@ def newton_krylov(
     _checks.check_vector("u0", u0)
     _checks.check_precision("u0", u0)
     u0 = _checks.strong(u0)
-    with _checks.failures_named("F"):
-        Fc = close(F, u0)
-    _checks.check_like("F(u0)", jax.eval_shape(Fc, u0), "u0", u0)
+    Fc = closed_operator("F", F, u0, "u0")
     opt = _options(solver, solver_options, precond, precond_builder, refresh, forcing,
                    max_inner, max_steps, line_search, max_backtracks, failed_derivative)
     pre = _closed_preconditioner(precond, precond_builder, u0)
@@ -454,11 +452,7 @@ def _closed_preconditioner(precond, builder, u0) -> Closed | None:
     """The preconditioner (`r -> z`), or its builder (`u -> preconditioner`),
     with what it closes over made explicit."""
     if precond is not None:
-        _checks.check_callable("precond", precond)
-        with _checks.failures_named("precond"):
-            M = close(precond, u0)
-        _checks.check_like("precond(u0)", jax.eval_shape(M, u0), "u0", u0)
-        return M
+        return closed_operator("precond", precond, u0, "u0")
     if builder is None:
         return None
     _checks.check_callable("precond_builder", builder)
