@@ -301,15 +301,21 @@ def latency(n, iterations=200):
         "jax.scipy bicgstab": lambda d, b: jsp.bicgstab(lambda x: d * x, b, tol=0.0, atol=0.0,
                                                         maxiter=iterations)[0],
     }
+    # the step counts checked under `jit` (one program per solve): called
+    # eagerly on the 8 emulated devices, a solve's small collective programs
+    # queue up, and XLA's CPU runtime deadlocks on a queue of independent
+    # 8-device collective programs (an abort after its 40 s rendezvous timeout)
     for method, s in (("standard", 4), ("single_reduction", 4), ("pipelined", 4),
                       *(("s_step", s) for s in S_VALUES)):
         options = dict(s=s) if method == "s_step" else {}
-        steps = int(sx.pcg(lambda x: d * x, b, rtol=0.0, max_steps=iterations,
-                           method=method, **options).iterations)
+        steps = int(jax.jit(lambda d, b, method=method, options=options: sx.pcg(
+            lambda x: d * x, b, rtol=0.0, max_steps=iterations, method=method,
+            **options).iterations)(d, b))
         assert steps == iterations, (method, steps)
     for method in ("standard", "one_sync"):
-        steps = int(sx.bicgstab(lambda x: d * x, b, rtol=0.0, max_steps=iterations,
-                                method=method).iterations)
+        steps = int(jax.jit(lambda d, b, method=method: sx.bicgstab(
+            lambda x: d * x, b, rtol=0.0, max_steps=iterations,
+            method=method).iterations)(d, b))
         assert steps == iterations, (method, steps)
     rows = []
     for fns, base in ((cg, "jax.scipy cg"), (bicgstab, "jax.scipy bicgstab")):
