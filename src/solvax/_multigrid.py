@@ -145,12 +145,6 @@ def _transfer(op: StencilOperator, axes: tuple) -> _Transfer:
     return _Transfer(weights, shape, axes, op.boundary, op.axis_names)
 
 
-def _coarse_boundary(boundary: tuple) -> tuple:
-    """Coarse operators carry their boundary in their entries (they are the
-    matrices `R A P`); only a periodic axis still wraps."""
-    return tuple("periodic" if b == "periodic" else "dirichlet" for b in boundary)
-
-
 def _dirichlet_form(op: StencilOperator) -> StencilOperator:
     """The same matrix with every Neumann axis's boundary folded into the
     entries: at a cell on the edge, the entry pointing out (at the repeated
@@ -172,7 +166,8 @@ def _dirichlet_form(op: StencilOperator) -> StencilOperator:
 
 def _galerkin_axis(op: StencilOperator, axis: int, weights: dict) -> StencilOperator:
     """`P_a^T A P_a` for the interpolation `P_a` along one axis (`_prolong_axis`)
-    of a Dirichlet-form stencil, in closed form.
+    of a stencil in Dirichlet form (`_dirichlet_form`: each axis Dirichlet or
+    periodic), in closed form.
 
     Coarse point `J` is fine `2 J + 1`; it interpolates to the fine points
     `2 J + 1 + s` (s = -1, 0, 1) with weights `alpha_s[J]` (`w_plus[J]`, 1,
@@ -181,8 +176,7 @@ def _galerkin_axis(op: StencilOperator, axis: int, weights: dict) -> StencilOper
     an offset `o` of the fine stencil of `alpha_s[J] A[2 J + 1 + s; (o, q)]
     alpha_t[J + O]` (the last at the column's position, shifted with zeros
     outside the grid: what lies outside couples to nothing)."""
-    shape, name = op.shape, op.axis_names[axis]
-    kind = "periodic" if op.boundary[axis] == "periodic" else "dirichlet"
+    shape, name, kind = op.shape, op.axis_names[axis], op.boundary[axis]
     n = shape[axis]
     nc = n // 2
     coarse = tuple(nc if a == axis else m for a, m in enumerate(shape))
@@ -205,7 +199,6 @@ def _galerkin_axis(op: StencilOperator, axis: int, weights: dict) -> StencilOper
     else:
         w_next = _unit_shift(_along(w_minus, axis, 0, nc), axis, 1, kind, name)
     alpha = {-1: w_plus, 0: jnp.ones_like(w_plus), 1: w_next}
-    zero_outside = tuple("periodic" if b == "periodic" else "dirichlet" for b in op.boundary)
     terms = {}     # coarse offset -> [(s, t, fine offset)]
     for o in op.entries:
         for big in (-1, 0, 1):
@@ -215,7 +208,7 @@ def _galerkin_axis(op: StencilOperator, axis: int, weights: dict) -> StencilOper
                     target = tuple(big if a == axis else v for a, v in enumerate(o))
                     terms.setdefault(target, []).append((s, t, o))
     offsets = sorted(terms)
-    shifted = {t: dict(zip(offsets, _shifts(alpha[t], offsets, zero_outside, op.axis_names)))
+    shifted = {t: dict(zip(offsets, _shifts(alpha[t], offsets, op.boundary, op.axis_names)))
                for t in (-1, 0, 1)}
     fine_rows = {o: rows(jnp.broadcast_to(c, shape)) for o, c in op.entries.items()}
     entries = {}
@@ -240,7 +233,7 @@ def _galerkin(op: StencilOperator, transfer: _Transfer) -> StencilOperator:
     flat = [a for a, (m, name, b) in enumerate(zip(out.shape, out.axis_names, out.boundary))
             if m == 1 and name is None and b != "periodic"]
     entries = {o: c for o, c in out.entries.items() if not any(o[a] for a in flat)}
-    return StencilOperator(entries, out.shape, _coarse_boundary(op.boundary), op.axis_names)
+    return StencilOperator(entries, out.shape, out.boundary, op.axis_names)
 
 
 def _is_concrete(op: StencilOperator) -> bool:
