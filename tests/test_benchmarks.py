@@ -177,3 +177,5 @@ def check_benchmark_multigrid_small(tmp_path):
     assert all(r["status"] == "CONVERGED" for r in data["coefficients"] + data["nonsymmetric"])
     timing = data["time"]
     assert timing["mg_residual"] < 1e-8 and timing["mg_iterations"] < timing["cg_iterations"]
+    assert timing["mg_f32_cycle_residual"] < 1e-8
+    assert timing["mg_f32_cycle_iterations"] <= timing["mg_iterations"] + 1

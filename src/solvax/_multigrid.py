@@ -433,7 +433,11 @@ class Multigrid:
             raise ValueError(f"the multigrid preconditioner acts on arrays of the grid's shape "
                              f"{shape}; got {jnp.shape(r)}.")
         dtype = jnp.result_type(r, self.coarse_inverse)
-        return self._cycle(0, r.astype(dtype)).astype(r.dtype)
+        z = self._cycle(0, r.astype(dtype)).astype(r.dtype)
+        # materialized: the last smoothing step is a stencil that XLA would
+        # otherwise recompute inside each consumer of `z` (a Krylov method's
+        # inner product and its update of the search direction)
+        return _materialized(self.levels[0].lmax, z)
 
     def _cycle(self, k: int, r):
         if k == len(self.levels) - 1:
