@@ -181,23 +181,23 @@ def _galerkin_axis(op: StencilOperator, axis: int, weights: dict) -> StencilOper
     nc = n // 2
     coarse = tuple(nc if a == axis else m for a, m in enumerate(shape))
 
+    def following(evens, last):
+        """From the values at the fine points `2 J` (J < nc), those at `2 J + 2`:
+        past the last coarse point, `last()` (the value at the fine point `2 nc`
+        of an odd axis) or what the boundary puts outside."""
+        if n > 2 * nc:
+            return jnp.concatenate([_along(evens, axis, 1, nc), last()], axis=axis)
+        return _unit_shift(evens, axis, 1, kind, name)
+
     def rows(c):
         """`c` at the fine rows `2 J`, `2 J + 1`, `2 J + 2` (s = -1, 0, 1)."""
         pairs = _along(c, axis, 0, 2 * nc).reshape(shape[:axis] + (nc, 2) + shape[axis + 1:])
         even, odd = (jax.lax.index_in_dim(pairs, k, axis + 1, keepdims=False) for k in (0, 1))
-        if n > 2 * nc:   # the last fine point 2 nc: the row below the last coarse one
-            following = jnp.concatenate([_along(even, axis, 1, nc),
-                                         _along(c, axis, 2 * nc, n)], axis=axis)
-        else:
-            following = _unit_shift(even, axis, 1, kind, name)
-        return {-1: even, 0: odd, 1: following}
+        return {-1: even, 0: odd, 1: following(even, lambda: _along(c, axis, 2 * nc, n))}
 
-    w_plus = _along(weights["plus"], axis, 0, nc)
-    w_minus = weights["minus"]
-    if n > 2 * nc:
-        w_next = _along(w_minus, axis, 1, nc + 1)
-    else:
-        w_next = _unit_shift(_along(w_minus, axis, 0, nc), axis, 1, kind, name)
+    # the weights are sampled at the fine even points (nc of them, nc + 1 on an odd axis)
+    w_minus, w_plus = (_along(weights[k], axis, 0, nc) for k in ("minus", "plus"))
+    w_next = following(w_minus, lambda: _along(weights["minus"], axis, nc, nc + 1))
     alpha = {-1: w_plus, 0: jnp.ones_like(w_plus), 1: w_next}
     terms = {}     # coarse offset -> [(s, t, fine offset)]
     for o in op.entries:
