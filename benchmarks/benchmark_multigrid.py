@@ -188,9 +188,8 @@ def timing(small):
     def mg_single(k, b):
         # the hierarchy and its cycle in float32 preconditioning a float64 CG
         # (docs/multigrid.md): half the memory traffic of every cycle
-        cycle = sx.multigrid(sx.diffusion_operator(k.astype(jnp.float32)))
-        return sx.pcg(sx.diffusion_operator(k), b, rtol=RTOL, atol=0.0,
-                      precond=lambda r: cycle(r.astype(jnp.float32)).astype(r.dtype))
+        op = sx.diffusion_operator(k)
+        return sx.pcg(op, b, precond=sx.multigrid(op, dtype=jnp.float32), rtol=RTOL, atol=0.0)
 
     def plain(k, b):
         return sx.pcg(sx.diffusion_operator(k), b, rtol=RTOL, atol=0.0, max_steps=100000)

@@ -95,7 +95,7 @@ def multigrid(small):
         if n == (24 if small else 256):
             row["scipy"] = scipy_run(F_np, n, 1)
             row["vs_scipy"] = row["run_s"] / row["scipy"]["run_s"]
-            # the same multigrid in float32 (its cycle cast at the door)
+            # the same multigrid in float32 (`multigrid(..., dtype=jnp.float32)`)
             single = solvax_run(F, n, 11, precond_builder=bratu_multigrid(n, 6.0, jnp.float32))
             row["float32_cycle"] = dict(single, vs_scipy=single["run_s"] / row["scipy"]["run_s"])
         rows.append(row)

@@ -146,25 +146,15 @@ def nonlinear_convection(n, c=20.0, f=100.0, xp=jnp):
     return F
 
 
-
-def cast_cycle(cycle, r):
-    """`cycle` (a multigrid hierarchy in another precision) applied to `r`, in
-    `r`'s dtype."""
-    return cycle(r.astype(cycle.coarse_inverse.dtype)).astype(r.dtype)
-
-
 def bratu_multigrid(n, lam=6.0, dtype=jnp.float64):
     """`u -> multigrid of the Bratu Jacobian -Δ - λ e^u at u` (a `precond_builder`);
     `dtype=jnp.float32`: the hierarchy and its cycle in single precision."""
-    import jax
-
     import solvax as sx
 
     h = 1.0 / (n + 1)
 
     def build(u):
-        cycle = sx.multigrid(sx.diffusion_operator(1.0, shape=u.shape, spacing=h,
-                                                   shift=(-lam * jnp.exp(u)).astype(dtype)))
-        return cycle if dtype == u.dtype else jax.tree_util.Partial(cast_cycle, cycle)
+        jacobian = sx.diffusion_operator(1.0, shape=u.shape, spacing=h, shift=-lam * jnp.exp(u))
+        return sx.multigrid(jacobian, dtype=None if dtype == u.dtype else dtype)
 
     return build

@@ -197,6 +197,24 @@ def test_float32_default_tolerance():
     assert int(sol.iterations) <= 8
 
 
+@pytest.mark.parametrize("solver, rtol", [(sx.pcg, 1e-11), (sx.gmres, 1e-10)])
+def test_a_float32_cycle_preconditions_a_float64_solve(solver, rtol):
+    """`dtype=float32`: the hierarchy and cycle in single precision, the solve
+    and its convergence test in double; it reaches a double-precision
+    tolerance (far below float32's) in at most one more iteration than the
+    float64 cycle, and the true residual meets it."""
+    k = jnp.asarray(np.exp(2 * np.random.default_rng(12).standard_normal((37, 48))))
+    A = sx.diffusion_operator(k, boundary=("dirichlet", "neumann"), shift=1e-3)
+    b = jnp.asarray(np.random.default_rng(13).standard_normal((37, 48)))
+    single = sx.multigrid(A, dtype=jnp.float32)
+    assert single.levels[0].dinv.dtype == jnp.float32 and single(b).dtype == jnp.float64
+    solve = jax.jit(lambda mg: solver(A, b, precond=mg, rtol=rtol, atol=0.0))
+    sol, ref = solve(single), solve(sx.multigrid(A))
+    assert int(sol.status) == sx.Status.CONVERGED
+    assert float(jnp.linalg.norm(b - A(sol.x)) / jnp.linalg.norm(b)) <= 1.5 * rtol
+    assert int(sol.iterations) <= int(ref.iterations) + 1
+
+
 def test_an_indefinite_operator_is_not_reported_solved():
     """A shift that makes the operator indefinite: CG with the cycle never
     returns CONVERGED with a residual that misses the tolerance."""
@@ -228,13 +246,16 @@ def test_bad_input_names_the_argument():
         sx.multigrid(A, shards=(8,))
     with pytest.raises(TypeError, match="float32 or wider"):
         sx.multigrid(sx.diffusion_operator(jnp.ones((8, 8), jnp.bfloat16)))
+    for bad in (jnp.int32, jnp.float16, jnp.complex64, "fp32"):
+        with pytest.raises(TypeError, match="`dtype` must be None"):
+            sx.multigrid(A, dtype=bad)
     with pytest.raises(ValueError, match="grid's shape"):
         sx.multigrid(A)(jnp.ones((8, 9)))
     # the valid inputs nearest to those: a 1-D three-point stencil, one
     # smoothing step, every axis coarsened, a W-cycle
     one_d = sx.stencil_operator({(0,): 2.0, (1,): -1.0, (-1,): -1.0}, shape=(33,))
     mg = sx.multigrid(one_d, steps=1, semicoarsening=1.0, cycle="W", smoother="chebyshev",
-                      shards=(4,))
+                      shards=(4,), dtype="float32")
     assert min(n for (n,) in mg.shapes) >= 4
     sol = sx.pcg(one_d, jnp.ones(33), precond=mg, rtol=1e-10)
     assert int(sol.status) == sx.Status.CONVERGED

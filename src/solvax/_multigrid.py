@@ -220,14 +220,15 @@ def _galerkin_axis(op: StencilOperator, axis: int, weights: dict) -> StencilOper
     return StencilOperator(entries, coarse, op.boundary, op.axis_names)
 
 
-def _galerkin(op: StencilOperator, transfer: _Transfer) -> StencilOperator:
+def _galerkin(op: StencilOperator, transfer: _Transfer, runtime_true) -> StencilOperator:
     """`R A P` as a stencil (offsets in {-1, 0, 1} per axis) in closed form:
     `P` is one interpolation per coarsened axis (the last applied last), so
-    `R A P` is one single-axis product after another, the last axis first.
-    """
+    `R A P` is one single-axis product after another, the last axis first,
+    each from the one before it in memory (`_materialized`: fused, the
+    second product recomputed the first's entries at every read)."""
     out = _dirichlet_form(op)
     for axis, weights in reversed(list(zip(transfer.axes, transfer.weights))):
-        out = _galerkin_axis(out, axis, weights)
+        out = _galerkin_axis(_materialized(runtime_true, out), axis, weights)
     # a coarse axis of one point (outside a shard_map block, not wrapped)
     # couples along it to nothing
     flat = [a for a, (m, name, b) in enumerate(zip(out.shape, out.axis_names, out.boundary))
@@ -367,7 +368,8 @@ def _dense_inverse(op: StencilOperator):
 
 
 def _materialized(runtime_true, v):
-    """`v`, computed once into memory before what reads it (on the CPU).
+    """`v` (an array or a pytree of them), computed once into memory before
+    what reads it (on the CPU).
 
     XLA's CPU backend fuses a stencil's input into the stencil and then
     recomputes it at every offset read: two Jacobi steps in a row ran 13.8
@@ -379,7 +381,8 @@ def _materialized(runtime_true, v):
     Elsewhere (GPU: a conditional's predicate goes to the host) `v` as is."""
     if jax.default_backend() != "cpu":
         return v
-    return jax.lax.cond(runtime_true == runtime_true, lambda u: u, jnp.zeros_like, v)
+    return jax.lax.cond(runtime_true == runtime_true, lambda u: u,
+                        lambda u: jax.tree_util.tree_map(jnp.zeros_like, u), v)
 
 
 def _jitted(fn, *static):
@@ -409,14 +412,15 @@ class Multigrid:
     """A multigrid cycle `r -> z ~ A^{-1} r` (see `multigrid`)."""
 
     def __init__(self, levels: list, coarse_inverse, cycle: str, smoother: str, steps: int,
-                 lower: float):
+                 lower: float, dtype=None):
         self.levels = levels
         self.coarse_inverse = coarse_inverse
         self.cycle, self.smoother, self.steps, self.lower = cycle, smoother, steps, lower
+        self.dtype = dtype
 
     def tree_flatten(self):
         return (self.levels, self.coarse_inverse), (self.cycle, self.smoother, self.steps,
-                                                     self.lower)
+                                                     self.lower, self.dtype)
 
     @classmethod
     def tree_unflatten(cls, aux, leaves):
@@ -432,7 +436,8 @@ class Multigrid:
         if jnp.shape(r) != shape:
             raise ValueError(f"the multigrid preconditioner acts on arrays of the grid's shape "
                              f"{shape}; got {jnp.shape(r)}.")
-        dtype = jnp.result_type(r, self.coarse_inverse)
+        # `dtype` given: the cycle runs in it, whatever the input's precision
+        dtype = self.dtype or jnp.result_type(r, self.coarse_inverse)
         z = self._cycle(0, r.astype(dtype)).astype(r.dtype)
         # materialized: the last smoothing step is a stencil that XLA would
         # otherwise recompute inside each consumer of `z` (a Krylov method's
@@ -498,7 +503,7 @@ class Multigrid:
 def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "jacobi",
               steps: int = 2, coarse_size: int = 64, max_levels: int = 30,
               semicoarsening: float = 0.5, chebyshev_lower: float = 0.25,
-              shards: tuple | None = None) -> Multigrid:
+              shards: tuple | None = None, dtype=None) -> Multigrid:
     """A geometric multigrid preconditioner for a structured-grid operator.
 
     Builds a hierarchy from `operator`'s stencil: each level coarsens the
@@ -546,6 +551,17 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
             sharding when they are concrete arrays; pass it when the set-up
             is traced under `jit`, e.g. `shards=(8, 1)` for `P("i", None)`
             on 8 devices.
+        dtype: the precision of the hierarchy and of every cycle: None (the
+            operator's) or a narrower one, e.g. `jnp.float32` for a float64
+            operator. The set-up casts the operator's coefficients to it;
+            a cycle casts its input to it and its output back to the
+            input's dtype. The Krylov method's residuals and convergence
+            test stay in the operator's precision, so a float64 solve with a
+            float32 cycle still reaches float64 tolerances (Poisson 1024^2:
+            the same 9 CG iterations to 1e-8) at half the memory traffic
+            per cycle. The preconditioner is then linear only up to float32
+            rounding: fine for CG and the flexible GMRES at tolerances down
+            to about 1e-12, measured in `docs/multigrid.md`.
 
     Returns:
         A `Multigrid`: a callable `r -> z` (the `precond` of any solver) and
@@ -572,10 +588,12 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
         raise ValueError(f"`semicoarsening` must be in (0, 1]; got {semicoarsening!r}.")
     if not 0 < float(chebyshev_lower) < 1:
         raise ValueError(f"`chebyshev_lower` must be in (0, 1); got {chebyshev_lower!r}.")
-    dtype = jnp.result_type(*operator.entries.values())
-    if jnp.finfo(dtype).bits < 32:
-        raise TypeError(f"`operator` has {jnp.dtype(dtype).name} coefficients; multigrid needs "
+    own = jnp.result_type(*operator.entries.values())
+    if jnp.finfo(own).bits < 32:
+        raise TypeError(f"`operator` has {jnp.dtype(own).name} coefficients; multigrid needs "
                         "float32 or wider.")
+    if dtype is not None:
+        dtype = _cycle_dtype(dtype, own)
     if shards is None:
         shards = _shards_of(operator)
     elif (not isinstance(shards, tuple | list) or len(shards) != operator.ndim
@@ -588,14 +606,38 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     # solvers' implicit adjoints do not differentiate it, so neither does
     # the set-up (no derivative of its eigenvalue estimates or gathers)
     op = jax.lax.stop_gradient(operator)
+    if dtype is not None:
+        op = jax.tree_util.tree_map(lambda c: c.astype(dtype), op)
     while True:
         dinv, lmax = _jitted(_smoothing_data, 1)(op, bool(levels))
+        # in memory once (under `jit`, XLA would fuse the computation of the
+        # entries, e.g. a diffusion operator's harmonic means, into each of
+        # their many reads below)
+        op = _materialized(lmax, op)
         last = len(levels) + 1 >= max_levels or _global_size(op) <= coarse_size
         axes = () if last else _axes_to_coarsen(op, float(semicoarsening), shards)
         transfer = _jitted(_transfer, 1)(op, axes) if axes else None
         levels.append(_Level(op, dinv, lmax, transfer))
         if not axes:
             break
-        op = _jitted(_galerkin)(op, transfer)
+        op = _jitted(_galerkin)(op, transfer, lmax)
     coarse_inverse = _jitted(_dense_inverse)(_gathered_operator(levels[-1].op))
-    return Multigrid(levels, coarse_inverse, cycle, smoother, steps, float(chebyshev_lower))
+    return Multigrid(levels, coarse_inverse, cycle, smoother, steps, float(chebyshev_lower),
+                     dtype)
+
+
+def _cycle_dtype(dtype, own):
+    """`multigrid`'s `dtype` checked against the operator's own `own`: a
+    floating (complex for a complex operator) dtype of 32 bits or more."""
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        dtype = None
+    complex_operator = jnp.issubdtype(own, jnp.complexfloating)
+    kind = jnp.complexfloating if complex_operator else jnp.floating
+    if dtype is None or not jnp.issubdtype(dtype, kind) or jnp.finfo(dtype).bits < 32:
+        example = "jnp.complex64" if complex_operator else "jnp.float32"
+        raise TypeError(f"`dtype` must be None (the operator's {jnp.dtype(own).name}) or a "
+                        f"{'complex' if complex_operator else 'real'} floating dtype of 32 bits "
+                        f"or more such as {example}.")
+    return jax.dtypes.canonicalize_dtype(dtype)
