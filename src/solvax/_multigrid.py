@@ -437,7 +437,7 @@ class Multigrid:
             raise ValueError(f"the multigrid preconditioner acts on arrays of the grid's shape "
                              f"{shape}; got {jnp.shape(r)}.")
         # `dtype` given: the cycle runs in it, whatever the input's precision
-        dtype = self.dtype or jnp.result_type(r, self.coarse_inverse)
+        dtype = self.dtype if self.dtype is not None else jnp.result_type(r, self.coarse_inverse)
         z = self._cycle(0, r.astype(dtype)).astype(r.dtype)
         # materialized: the last smoothing step is a stencil that XLA would
         # otherwise recompute inside each consumer of `z` (a Krylov method's
