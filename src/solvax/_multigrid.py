@@ -367,22 +367,31 @@ def _dense_inverse(op: StencilOperator):
     return jnp.linalg.pinv(columns.T)
 
 
-def _materialized(runtime_true, v):
-    """`v` (an array or a pytree of them), computed once into memory before
-    what reads it (on the CPU).
+def _computed(runtime_true, fn, *args):
+    """`fn(*args)`, computed into memory before what reads it (on the CPU).
 
     XLA's CPU backend fuses a stencil's input into the stencil and then
     recomputes it at every offset read: two Jacobi steps in a row ran 13.8
     ms on a 1024 x 1024 grid instead of 5.2, a residual read at stride 2 by
     the restriction 11 ms instead of 1.6. A conditional is a fusion barrier
-    there (an optimization barrier is not); its predicate is a value the
-    compiler cannot fold (`runtime_true`, a replicated scalar computed at
-    set-up, e.g. `lambda_max == lambda_max`), so it costs no communication.
-    Elsewhere (GPU: a conditional's predicate goes to the host) `v` as is."""
+    there (an optimization barrier is not), and `fn` inside its branch
+    writes its result straight into the conditional's output (copying a
+    result computed outside cost a third of a cycle). Its predicate is a
+    value the compiler cannot fold (`runtime_true`, a replicated scalar
+    computed at set-up, e.g. `lambda_max == lambda_max`), so it costs no
+    communication. Elsewhere (GPU: a conditional's predicate goes to the
+    host) `fn(*args)` as is."""
     if jax.default_backend() != "cpu":
-        return v
-    return jax.lax.cond(runtime_true == runtime_true, lambda u: u,
-                        lambda u: jax.tree_util.tree_map(jnp.zeros_like, u), v)
+        return fn(*args)
+    # the other branch: zeros typed like `fn`'s output (inside `shard_map`,
+    # varying over the same mesh axes); the compiler drops `fn` there
+    return jax.lax.cond(runtime_true == runtime_true, fn,
+                        lambda *a: jax.tree_util.tree_map(jnp.zeros_like, fn(*a)), *args)
+
+
+def _materialized(runtime_true, v):
+    """`v` (an array or a pytree of them) in memory (see `_computed`)."""
+    return _computed(runtime_true, lambda u: u, v)
 
 
 def _jitted(fn, *static):
@@ -438,11 +447,10 @@ class Multigrid:
                              f"{shape}; got {jnp.shape(r)}.")
         # `dtype` given: the cycle runs in it, whatever the input's precision
         dtype = self.dtype if self.dtype is not None else jnp.result_type(r, self.coarse_inverse)
-        z = self._cycle(0, r.astype(dtype)).astype(r.dtype)
-        # materialized: the last smoothing step is a stencil that XLA would
-        # otherwise recompute inside each consumer of `z` (a Krylov method's
-        # inner product and its update of the search direction)
-        return _materialized(self.levels[0].lmax, z)
+        # the cycle's last step is computed into memory (`_computed`): XLA
+        # does not recompute it inside each consumer of `z` (a Krylov
+        # method's inner product and its update of the search direction)
+        return self._cycle(0, r.astype(dtype)).astype(r.dtype)
 
     def _cycle(self, k: int, r):
         if k == len(self.levels) - 1:
@@ -458,44 +466,52 @@ class Multigrid:
                                                     left_side=True, lower=True)
             z = (inverse @ whole)[:, 0].reshape(grid.shape)
             return _own_block(z, r.shape, names)
-        level = self.levels[k]
-        keep = functools.partial(_materialized, level.lmax)
+        level, coarse = self.levels[k], self.levels[k + 1]
+        keep = functools.partial(_computed, level.lmax)
         x = self._smooth(level, None, r)
-        coarse = self.levels[k + 1]
-        rc = level.transfer.restrict(keep(r - level.op(keep(x))))
+        residual = keep(lambda x: r - level.op(x), x)
+        rc = keep(level.transfer.restrict, residual)
         e = self._cycle(k + 1, rc)
         if self.cycle == "W" and k + 2 < len(self.levels):
-            e = e + self._cycle(k + 1, rc - coarse.op(e))
-        x = x + level.transfer.prolong(e)
+            e = e + self._cycle(k + 1, keep(lambda e: rc - coarse.op(e), e))
+        x = keep(lambda x, e: x + level.transfer.prolong(e), x, e)
         return self._smooth(level, x, r)
 
     def _smooth(self, level: _Level, x, r):
-        """`steps` steps of the smoother for `A x = r` from `x` (zero if None)."""
+        """`steps` steps of the smoother for `A x = r` from `x` (zero if None),
+        each computed into memory (`_computed`) before the next reads it."""
         dinv = level.dinv.astype(r.dtype)
         lmax = level.lmax.astype(jnp.abs(r).dtype)
-
-        def op(v):
-            return level.op(_materialized(level.lmax, v))
-
+        keep = functools.partial(_computed, level.lmax)
         if self.smoother == "jacobi":
             omega = 4 / (3 * lmax)
             for _ in range(self.steps):
-                res = r if x is None else r - op(x)
-                x = omega * dinv * res if x is None else x + omega * dinv * res
+                if x is None:
+                    x = keep(lambda: omega * dinv * r)
+                else:
+                    x = keep(lambda x: x + omega * dinv * (r - level.op(x)), x)
             return x
         # Chebyshev in D^{-1} A on [lower * lmax, lmax] (Saad, Alg. 12.1)
         upper = 1.1 * lmax
         low = self.lower * upper
         theta, delta = (upper + low) / 2, (upper - low) / 2
-        res = r if x is None else r - op(x)
-        d = dinv * res / theta
-        x = d if x is None else x + d
+
+        def first(x):
+            res = r if x is None else r - level.op(x)
+            d = dinv * res / theta
+            return res, d, d if x is None else x + d
+
+        res, d, x = keep(lambda: first(None)) if x is None else keep(first, x)
         rho = delta / theta
         for _ in range(self.steps - 1):
-            res = res - op(d)
             rho_next = 1 / (2 * theta / delta - rho)
-            d = rho_next * rho * d + (2 * rho_next / delta) * dinv * res
-            x = x + d
+
+            def step(res, d, x, rho=rho, rho_next=rho_next):
+                res = res - level.op(d)
+                d = rho_next * rho * d + (2 * rho_next / delta) * dinv * res
+                return res, d, x + d
+
+            res, d, x = keep(step, res, d, x)
             rho = rho_next
         return x
 
