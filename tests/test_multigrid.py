@@ -208,7 +208,8 @@ def test_a_float32_cycle_preconditions_a_float64_solve():
     single, double = sx.multigrid(A, dtype=jnp.float32), sx.multigrid(A)
     assert single.levels[-1].op.entries[(0, 0)].dtype == jnp.float32
     for solver, rtol in ((sx.pcg, 1e-11), (sx.gmres, 1e-10)):
-        solve = jax.jit(lambda mg: solver(A, b, precond=mg, rtol=rtol, atol=0.0))
+        solve = jax.jit(lambda mg, solver=solver, rtol=rtol: solver(A, b, precond=mg, rtol=rtol,
+                                                                     atol=0.0))
         sol, ref = solve(single), solve(double)
         assert int(sol.status) == sx.Status.CONVERGED and sol.x.dtype == jnp.float64
         assert float(jnp.linalg.norm(b - A(sol.x)) / jnp.linalg.norm(b)) <= 1.5 * rtol
