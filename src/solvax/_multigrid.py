@@ -379,11 +379,11 @@ def _computed(runtime_true, fn, *args):
     there (an optimization barrier is not), and `fn` inside its branch
     writes its result straight into the conditional's output (copying a
     result computed outside cost half a cycle: 53 ms against 28 for a
-    1024 x 1024 float64 V-cycle). Its predicate is a
-    value the compiler cannot fold (`runtime_true`, a replicated scalar
-    computed at set-up, e.g. `lambda_max == lambda_max`), so it costs no
-    communication. Elsewhere (GPU: a conditional's predicate goes to the
-    host) `fn(*args)` as is."""
+    1024 x 1024 float64 V-cycle). Its predicate is a value the compiler
+    cannot fold (`runtime_true`, a replicated scalar computed at set-up,
+    e.g. `lambda_max == lambda_max`), so it costs no communication.
+    Elsewhere (GPU: a conditional's predicate goes to the host) `fn(*args)`
+    as is."""
     if jax.default_backend() != "cpu":
         return fn(*args)
     # the other branch: zeros typed like `fn`'s output (inside `shard_map`,
@@ -495,11 +495,15 @@ class Multigrid:
         theta, delta = (upper + low) / 2, (upper - low) / 2
 
         def first(x):
-            res = r if x is None else r - level.op(x)
+            res = r - level.op(x)
             d = dinv * res / theta
-            return res, d, d if x is None else x + d
+            return res, d, x + d
 
-        res, d, x = keep(lambda: first(None)) if x is None else keep(first, x)
+        if x is None:     # from zero: the residual is `r` itself (no copy of it)
+            res, d = r, keep(lambda: dinv * r / theta)
+            x = d
+        else:
+            res, d, x = keep(first, x)
         rho = delta / theta
         for _ in range(self.steps - 1):
             rho_next = 1 / (2 * theta / delta - rho)
