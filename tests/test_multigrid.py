@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import solvax as sx
+from solvax._comm import analyze_hlo
 
 
 def matrix_of(fn, shape):
@@ -155,7 +156,21 @@ def test_sharded_cycle_communicates_halos_and_the_coarsest_grid(mesh_shape, spec
     with_jacobi = sx.count_collectives(
         lambda k, b: solve(k, b, lambda A: sx.jacobi(A.diagonal())).x, k, b)
     assert in_loop(with_mg, "all-reduce") == in_loop(with_jacobi, "all-reduce")
-    sol = jax.jit(lambda k, b: solve(k, b, sx.multigrid))(k, b)
+    # the whole solve, set-up included: beyond halos and scalars, it moves the
+    # coarsest grid (per cycle) and the coarsest operator's matrix (once, in
+    # the set-up's dense inverse); no level's arrays (a strided slice in the
+    # set-up all-reduced whole coarse grids on JAX 0.4.38)
+    compiled = jax.jit(lambda k, b: solve(k, b, sx.multigrid)).lower(k, b).compile()
+    text = compiled.as_text()
+    whole = analyze_hlo(text)
+    matrix = int(np.prod(mg.shapes[-1])) ** 2 * 8
+    for c in whole.collectives:
+        if c.kind != "collective-permute" and c.bytes > 64:
+            where = next(line for line in text.splitlines() if f"%{c.name} = " in line)
+            assert (c.bytes <= coarsest if c.loops else
+                    c.bytes <= matrix and "_dense_inverse" in where), (c, str(whole))
+    assert set(whole.by_kind) <= {"all-gather", "all-reduce", "collective-permute"}
+    sol = compiled(k, b)
     assert sol.x.sharding.is_equivalent_to(sharding, 2)
     one = jax.jit(lambda k, b: solve(k, b, sx.multigrid))(jnp.asarray(np.asarray(k)),
                                                           jnp.asarray(np.asarray(b)))

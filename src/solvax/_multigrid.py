@@ -57,6 +57,21 @@ def _prolong_axis(c, axis: int, n: int, periodic: bool, weights: dict, name=None
     return jnp.concatenate([fine, last], axis=axis)
 
 
+def _every_other(x, axis: int, phase: int):
+    """`x` at the points `phase, phase + 2, ...` of `axis` (phase 0: the even
+    points, `(n + 1) // 2` of them; 1: the odd ones, `n // 2`), by a reshape
+    into pairs. (A strided slice did the same on one device, but on a
+    sharded axis JAX 0.4.38's partitioner turned it into a gather: all-gathers
+    of its indices and all-reduces that replicated whole coarse arrays.)"""
+    n = x.shape[axis]
+    pairs = _along(x, axis, 0, 2 * (n // 2))
+    pairs = pairs.reshape(x.shape[:axis] + (n // 2, 2) + x.shape[axis + 1:])
+    out = jax.lax.index_in_dim(pairs, phase, axis + 1, keepdims=False)
+    if phase == 0 and n % 2:   # the last point of an odd axis
+        out = jnp.concatenate([out, _along(x, axis, n - 1, n)], axis=axis)
+    return out
+
+
 def _coarse_shape(shape: tuple, axes: tuple) -> tuple:
     return tuple(n // 2 if a in axes else n for a, n in enumerate(shape))
 
@@ -126,11 +141,10 @@ def _transfer(op: StencilOperator, axes: tuple) -> _Transfer:
             w = jnp.where(centre > 0, jnp.abs(collapsed[s]) / safe, 0.5)
             # the points this step interpolates: fine even points along `axis`,
             # fine along the axes already prolonged, coarse (odd) along the rest
-            index = [slice(None)] * len(shape)
-            index[axis] = slice(0, None, 2)
+            w = _every_other(w, axis, 0)
             for later in axes[t + 1:]:
-                index[later] = slice(1, 2 * (shape[later] // 2), 2)
-            pair.append(w[tuple(index)])
+                w = _every_other(w, later, 1)
+            pair.append(w)
         w_minus, w_plus = pair
         if op.boundary[axis] == "neumann":
             # the coarse grid extended by its edge value: fold the outside
