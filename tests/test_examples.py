@@ -25,7 +25,7 @@ def test_poisson_sharded_prints_its_collectives():
 
 def test_inverse_problem_fits_and_saves_a_picture(tmp_path):
     png = tmp_path / "inverse.png"
-    out = run("inverse_problem.py", "--n", "64", "--steps", "15", "--png", str(png))
+    out = run("inverse_problem.py", "--n", "16", "--steps", "15", "--png", str(png))
     first, last = (float(v) for v in out.split("loss ")[1].split(" in ")[0].split(" -> "))
     assert last < 0.2 * first, out
     assert png.stat().st_size > 10_000
@@ -57,7 +57,7 @@ def test_diffusion_3d_multigrid_beats_jacobi_iterations_with_halos_only():
 
 
 def test_bratu_newton_converges_sharded_with_multigrid():
-    out = run("bratu_newton.py", "--n", "32")
+    out = run("bratu_newton.py", "--n", "16")
     first = out.splitlines()[0]
     assert "CONVERGED" in first and "('i', None)" in first, out  # P(...) or PartitionSpec(...)
     steps = int(first.split(" in ")[1].split()[0])

@@ -208,7 +208,7 @@ def test_gradients_batches_and_traced_set_up():
 def test_float32_default_tolerance():
     A = sx.diffusion_operator(jnp.float32(1.0), shape=(40, 33))
     b = jnp.asarray(np.random.default_rng(9).standard_normal((40, 33)), jnp.float32)
-    sol = sx.pcg(A, b, precond=sx.multigrid(A))
+    sol = jax.jit(lambda b: sx.pcg(A, b, precond=sx.multigrid(A)))(b)
     assert sol.x.dtype == jnp.float32 and int(sol.status) == sx.Status.CONVERGED
     assert int(sol.iterations) <= 8
 
@@ -237,7 +237,7 @@ def test_an_indefinite_operator_is_not_reported_solved():
     returns CONVERGED with a residual that misses the tolerance."""
     A = sx.diffusion_operator(1.0, shape=(24, 24), shift=-0.5)
     b = jnp.asarray(np.random.default_rng(10).standard_normal((24, 24)))
-    sol = sx.pcg(A, b, precond=sx.multigrid(A), rtol=1e-8)
+    sol = jax.jit(lambda b: sx.pcg(A, b, precond=sx.multigrid(A), rtol=1e-8))(b)
     residual = float(jnp.linalg.norm(b - A(sol.x)) / jnp.linalg.norm(b))
     assert int(sol.status) != sx.Status.CONVERGED or residual <= 1.1e-8
 
@@ -285,7 +285,7 @@ def test_inside_shard_map_with_axis_names():
     mesh with Neumann and periodic axes: the solve and its gradient with
     respect to `k` match the whole-grid solve, and a cycle has no all-reduce."""
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("i", "j"))
-    spec, shape, boundary = P("i", "j"), (32, 48), ("neumann", "periodic")
+    spec, shape, boundary = P("i", "j"), (16, 24), ("neumann", "periodic")
     k, b = field(shape, 11), jnp.asarray(np.random.default_rng(12).standard_normal(shape))
 
     def local(k, b):
