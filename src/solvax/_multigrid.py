@@ -205,8 +205,8 @@ def _galerkin_axis(op: StencilOperator, axis: int, weights: dict) -> StencilOper
 
     def rows(c):
         """`c` at the fine rows `2 J`, `2 J + 1`, `2 J + 2` (s = -1, 0, 1)."""
-        pairs = _along(c, axis, 0, 2 * nc).reshape(shape[:axis] + (nc, 2) + shape[axis + 1:])
-        even, odd = (jax.lax.index_in_dim(pairs, k, axis + 1, keepdims=False) for k in (0, 1))
+        even = _along(_every_other(c, axis, 0), axis, 0, nc)   # an odd axis's last: below
+        odd = _every_other(c, axis, 1)
         return {-1: even, 0: odd, 1: following(even, lambda: _along(c, axis, 2 * nc, n))}
 
     # the weights are sampled at the fine even points (nc of them, nc + 1 on an odd axis)
