@@ -274,7 +274,7 @@ def test_bad_input_names_the_argument():
     mg = sx.multigrid(one_d, steps=1, semicoarsening=1.0, cycle="W", smoother="chebyshev",
                       shards=(4,), dtype="float32")
     assert min(n for (n,) in mg.shapes) >= 4
-    assert mg.levels[0].dinv.dtype == jnp.float32 and mg(jnp.ones(33)).dtype == jnp.float64
+    assert mg.levels[0].op.diagonal().dtype == jnp.float32 and mg(jnp.ones(33)).dtype == jnp.float64
     sol = sx.pcg(one_d, jnp.ones(33), precond=mg, rtol=1e-10)
     assert int(sol.status) == sx.Status.CONVERGED
 

@@ -95,8 +95,15 @@ def test_diffusion_operator_is_symmetric_positive_definite(boundary):
     rng = np.random.default_rng(2)
     k = jnp.asarray(np.exp(3 * rng.standard_normal((6, 5))))  # contrast ~1e4
     shift = 0.0 if boundary == "dirichlet" else 1e-2
-    M = matrix_of(sx.diffusion_operator((k, 1e-3 * k), boundary=boundary, shift=shift))
-    assert rel_err(M, M.T) < 1e-14 and np.linalg.eigvalsh(M).min() > 0
+    A = sx.diffusion_operator((k, 1e-3 * k), boundary=boundary, shift=shift)
+    M = matrix_of(A)
+    assert np.array_equal(M, M.T) and np.linalg.eigvalsh(M).min() > 0
+    # stored by half (the centre and one face per axis); `entries`, the
+    # whole stencil, is the same matrix by the stencil's definition
+    assert A.symmetric and sorted(A.stored) == [(0, 0), (0, 1), (1, 0)]
+    assert len(A.entries) == 5
+    full = dense_stencil({o: np.asarray(c) for o, c in A.entries.items()}, A.shape, A.boundary)
+    assert rel_err(M, full) < 1e-15
     # constant k = 1 and unit spacing, interior rows: the 5-point Laplacian
     P5 = matrix_of(sx.diffusion_operator(1.0, shape=(6, 5), boundary=boundary))
     row = np.ravel_multi_index((2, 2), (6, 5))

@@ -131,20 +131,23 @@ def _transfer(op: StencilOperator, axes: tuple) -> _Transfer:
     weights = []
     for t, axis in enumerate(axes):
         n, nc = shape[axis], shape[axis] // 2
-        collapsed = {s: 0.0 for s in (-1, 0, 1)}
+
+        def sampled(c, t=t, axis=axis):
+            """`c` at the points this step interpolates: fine even points along
+            `axis`, fine along the axes already prolonged, coarse (odd) along
+            the rest (sampled before any arithmetic: a quarter of the work)."""
+            c = _every_other(jnp.broadcast_to(c, shape), axis, 0)
+            for later in axes[t + 1:]:
+                c = _every_other(c, later, 1)
+            return c
+
+        zero = sampled(jnp.zeros((), jnp.result_type(*op.entries.values())))
+        collapsed = {s: zero for s in (-1, 0, 1)}
         for o, c in op.entries.items():
-            collapsed[o[axis]] = collapsed[o[axis]] + jnp.broadcast_to(c, shape)
+            collapsed[o[axis]] = collapsed[o[axis]] + sampled(c)
         centre = jnp.abs(collapsed[0])
         safe = jnp.where(centre > 0, centre, 1)
-        pair = []
-        for s in (-1, 1):
-            w = jnp.where(centre > 0, jnp.abs(collapsed[s]) / safe, 0.5)
-            # the points this step interpolates: fine even points along `axis`,
-            # fine along the axes already prolonged, coarse (odd) along the rest
-            w = _every_other(w, axis, 0)
-            for later in axes[t + 1:]:
-                w = _every_other(w, later, 1)
-            pair.append(w)
+        pair = [jnp.where(centre > 0, jnp.abs(collapsed[s]) / safe, 0.5) for s in (-1, 1)]
         w_minus, w_plus = pair
         if op.boundary[axis] == "neumann":
             # the coarse grid extended by its edge value: fold the outside
@@ -163,7 +166,12 @@ def _dirichlet_form(op: StencilOperator) -> StencilOperator:
     """The same matrix with every Neumann axis's boundary folded into the
     entries: at a cell on the edge, the entry pointing out (at the repeated
     edge value) is added to the entry of the same offset with this axis's
-    component 0, and the axis becomes Dirichlet (nothing outside)."""
+    component 0, and the axis becomes Dirichlet (nothing outside). A
+    symmetric operator couples to nothing outside already: only the names
+    change."""
+    if op.symmetric:
+        boundary = tuple("dirichlet" if b == "neumann" else b for b in op.boundary)
+        return StencilOperator(op.stored, op.shape, boundary, op.axis_names, True)
     entries = {o: jnp.broadcast_to(c, op.shape) for o, c in op.entries.items()}
     boundary = list(op.boundary)
     for axis, kind in enumerate(op.boundary):
@@ -213,8 +221,9 @@ def _galerkin_axis(op: StencilOperator, axis: int, weights: dict) -> StencilOper
     w_minus, w_plus = (_along(weights[k], axis, 0, nc) for k in ("minus", "plus"))
     w_next = following(w_minus, lambda: _along(weights["minus"], axis, nc, nc + 1))
     alpha = {-1: w_plus, 0: jnp.ones_like(w_plus), 1: w_next}
+    fine = op.entries   # a symmetric operator's other half: its stored half shifted
     terms = {}     # coarse offset -> [(s, t, fine offset)]
-    for o in op.entries:
+    for o in fine:
         for big in (-1, 0, 1):
             for s in (-1, 0, 1):
                 t = o[axis] + s - 2 * big
@@ -222,16 +231,25 @@ def _galerkin_axis(op: StencilOperator, axis: int, weights: dict) -> StencilOper
                     target = tuple(big if a == axis else v for a, v in enumerate(o))
                     terms.setdefault(target, []).append((s, t, o))
     offsets = sorted(terms)
+    if op.symmetric:   # so is `P^T A P`: its stored half only
+        offsets = [o for o in offsets if _stored_half(o)]
     shifted = {t: dict(zip(offsets, _shifts(alpha[t], offsets, op.boundary, op.axis_names)))
                for t in (-1, 0, 1)}
-    fine_rows = {o: rows(jnp.broadcast_to(c, shape)) for o, c in op.entries.items()}
+    fine_rows = {o: rows(jnp.broadcast_to(c, shape)) for o, c in fine.items()}
     entries = {}
     for target in offsets:
         total = 0.0
         for s, t, o in terms[target]:
             total = total + alpha[s] * fine_rows[o][s] * shifted[t][target]
         entries[target] = total
-    return StencilOperator(entries, coarse, op.boundary, op.axis_names)
+    return StencilOperator(entries, coarse, op.boundary, op.axis_names, op.symmetric)
+
+
+def _stored_half(offset: tuple) -> bool:
+    """The offsets a symmetric operator stores: the centre and those whose
+    first nonzero component is positive."""
+    first = next((v for v in offset if v), 1)
+    return first > 0
 
 
 def _galerkin(op: StencilOperator, transfer: _Transfer) -> StencilOperator:
@@ -249,8 +267,8 @@ def _galerkin(op: StencilOperator, transfer: _Transfer) -> StencilOperator:
     # couples along it to nothing
     flat = [a for a, (m, name, b) in enumerate(zip(out.shape, out.axis_names, out.boundary))
             if m == 1 and name is None and b != "periodic"]
-    entries = {o: c for o, c in out.entries.items() if not any(o[a] for a in flat)}
-    return StencilOperator(entries, out.shape, out.boundary, op.axis_names)
+    entries = {o: c for o, c in out.stored.items() if not any(o[a] for a in flat)}
+    return StencilOperator(entries, out.shape, out.boundary, op.axis_names, out.symmetric)
 
 
 def _is_concrete(op: StencilOperator) -> bool:
@@ -309,7 +327,7 @@ def _axes_to_coarsen(op: StencilOperator, threshold: float, shards: tuple) -> tu
 
 
 def _smoothing_data(op: StencilOperator, lanczos: bool = True):
-    """`(D^{-1}, lambda_max)` for a level: the largest eigenvalue of `D^{-1} A`
+    """`lambda_max` for a level: the largest eigenvalue of `D^{-1} A`
     bounded by Gershgorin's bound (`1 + max_i sum_j |a_ij| / |a_ii|`), and
     with `lanczos` by the smaller of it and 1.1 times a 10-step Lanczos
     estimate from a fixed rough start (set-up only; its reductions are not
@@ -325,13 +343,16 @@ def _smoothing_data(op: StencilOperator, lanczos: bool = True):
     """
     diag = op.diagonal()
     dinv = 1 / diag
-    off = sum(jnp.abs(jnp.broadcast_to(c, op.shape)) for o, c in op.entries.items() if any(o))
-    gershgorin = 1 + jnp.max(off * jnp.abs(dinv))
+    # the row sums computed into one array before the maximum reads them
+    # (XLA:CPU's reductions read materialized inputs: one per entry otherwise)
+    ratio = _computed(None, lambda: jnp.abs(dinv) * sum(
+        jnp.abs(jnp.broadcast_to(c, op.shape)) for o, c in op.entries.items() if any(o)))
+    gershgorin = 1 + jnp.max(ratio)
     names = tuple(name for name in op.axis_names if name is not None)
     if names:
         gershgorin = jax.lax.pmax(gershgorin, names)
     if not lanczos:
-        return dinv, gershgorin
+        return gershgorin
     size = math.prod(op.shape)
     v = jnp.asarray(np.sin(np.arange(size) * 2.399963 + 0.3).reshape(op.shape), diag.dtype)
     v = v + 0 * diag   # shaped, sharded (and in a shard_map block, varying) like the grid
@@ -339,7 +360,7 @@ def _smoothing_data(op: StencilOperator, lanczos: bool = True):
     _, ritz = _precond.estimate_spectrum(lambda u: root * op(root * u), v, steps=10,
                                          axis_name=names or None)
     lmax = jnp.where(jnp.isfinite(ritz), jnp.minimum(1.1 * ritz, gershgorin), gershgorin)
-    return dinv, lmax.astype(gershgorin.dtype)
+    return lmax.astype(gershgorin.dtype)
 
 
 def _global_size(op: StencilOperator) -> int:
@@ -400,6 +421,8 @@ def _computed(runtime_true, fn, *args):
     as is."""
     if jax.default_backend() != "cpu":
         return fn(*args)
+    if runtime_true is None:
+        runtime_true = jax.lax.optimization_barrier(jnp.ones((), bool))
     # the other branch: zeros typed like `fn`'s output (inside `shard_map`,
     # varying over the same mesh axes); the compiler drops `fn` there
     return jax.lax.cond(runtime_true == runtime_true, fn,
@@ -414,14 +437,14 @@ def _jitted(fn, *static):
 
 @jax.tree_util.register_pytree_node_class
 class _Level:
-    """One level: its operator, its smoothing data (`D^{-1}`, `lambda_max` of
-    `D^{-1} A`) and the transfer to the level below (None on the coarsest)."""
+    """One level: its operator, `lambda_max` of `D^{-1} A` (its smoothers'
+    scale) and the transfer to the level below (None on the coarsest)."""
 
-    def __init__(self, op: StencilOperator, dinv, lmax, transfer):
-        self.op, self.dinv, self.lmax, self.transfer = op, dinv, lmax, transfer
+    def __init__(self, op: StencilOperator, lmax, transfer):
+        self.op, self.lmax, self.transfer = op, lmax, transfer
 
     def tree_flatten(self):
-        return (self.op, self.dinv, self.lmax, self.transfer), None
+        return (self.op, self.lmax, self.transfer), None
 
     @classmethod
     def tree_unflatten(cls, aux, leaves):
@@ -491,17 +514,21 @@ class Multigrid:
 
     def _smooth(self, level: _Level, x, r):
         """`steps` steps of the smoother for `A x = r` from `x` (zero if None),
-        each computed into memory (`_computed`) before the next reads it."""
-        dinv = level.dinv.astype(r.dtype)
+        each computed into memory (`_computed`) before the next reads it.
+        `D^{-1}` is a division by the stencil's centre inside each step (the
+        step's stencil reads it anyway: one array less to read and to keep)."""
+        def dinv(v):
+            return v / level.op.diagonal().astype(v.dtype)
+
         lmax = level.lmax.astype(jnp.abs(r).dtype)
         keep = functools.partial(_computed, level.lmax)
         if self.smoother == "jacobi":
             omega = 4 / (3 * lmax)
             for _ in range(self.steps):
                 if x is None:
-                    x = keep(lambda: omega * dinv * r)
+                    x = keep(lambda: omega * dinv(r))
                 else:
-                    x = keep(lambda x: x + omega * dinv * (r - level.op(x)), x)
+                    x = keep(lambda x: x + omega * dinv(r - level.op(x)), x)
             return x
         # Chebyshev in D^{-1} A on [lower * lmax, lmax] (Saad, Alg. 12.1)
         upper = 1.1 * lmax
@@ -510,11 +537,11 @@ class Multigrid:
 
         def first(x):
             res = r - level.op(x)
-            d = dinv * res / theta
+            d = dinv(res) / theta
             return res, d, x + d
 
         if x is None:     # from zero: the residual is `r` itself (no copy of it)
-            res, d = r, keep(lambda: dinv * r / theta)
+            res, d = r, keep(lambda: dinv(r) / theta)
             x = d
         else:
             res, d, x = keep(first, x)
@@ -524,7 +551,7 @@ class Multigrid:
 
             def step(res, d, x, rho=rho, rho_next=rho_next):
                 res = res - level.op(d)
-                d = rho_next * rho * d + (2 * rho_next / delta) * dinv * res
+                d = rho_next * rho * d + (2 * rho_next / delta) * dinv(res)
                 return res, d, x + d
 
             res, d, x = keep(step, res, d, x)
@@ -641,11 +668,11 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     if dtype is not None:
         op = jax.tree_util.tree_map(lambda c: c.astype(dtype), op)
     while True:
-        dinv, lmax = _jitted(_smoothing_data, 1)(op, bool(levels))
+        lmax = _jitted(_smoothing_data, 1)(op, bool(levels))
         last = len(levels) + 1 >= max_levels or _global_size(op) <= coarse_size
         axes = () if last else _axes_to_coarsen(op, float(semicoarsening), shards)
         transfer = _jitted(_transfer, 1)(op, axes) if axes else None
-        levels.append(_Level(op, dinv, lmax, transfer))
+        levels.append(_Level(op, lmax, transfer))
         if not axes:
             break
         op = _jitted(_galerkin)(op, transfer)

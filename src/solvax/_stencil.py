@@ -36,52 +36,100 @@ class StencilOperator:
 
     Attributes:
         entries: offset tuple -> coefficient array of the grid's shape (or a
-            scalar for a constant coefficient).
+            scalar for a constant coefficient): every offset of the stencil.
         shape: the grid's shape.
         boundary: one of `BOUNDARIES` per axis.
+        symmetric: whether the operator is stored by half (as
+            `diffusion_operator` and the multigrid hierarchy built from it
+            store theirs): `stored` then holds the centre and the offsets
+            whose first nonzero component is positive; the coupling the other
+            way is the same number, `entries[-o][i] = entries[o][i - o]`, and
+            nothing couples to points outside a non-periodic axis. A
+            matrix-vector product then reads half the off-diagonal arrays.
+        stored: the coefficient arrays kept (all of `entries` when not
+            symmetric): the pytree's leaves.
     """
 
-    def __init__(self, entries: dict, shape: tuple, boundary: tuple, axis_names: tuple = None):
-        self.entries = entries
+    def __init__(self, entries: dict, shape: tuple, boundary: tuple, axis_names: tuple = None,
+                 symmetric: bool = False):
+        self.stored = entries
         self.shape = shape
         self.boundary = boundary
         self.axis_names = axis_names or (None,) * len(shape)
+        self.symmetric = symmetric
 
     def tree_flatten(self):
-        offsets = tuple(self.entries)
-        return (tuple(self.entries[o] for o in offsets),
-                (offsets, self.shape, self.boundary, self.axis_names))
+        offsets = tuple(self.stored)
+        return (tuple(self.stored[o] for o in offsets),
+                (offsets, self.shape, self.boundary, self.axis_names, self.symmetric))
 
     @classmethod
     def tree_unflatten(cls, aux, leaves):
-        offsets, shape, boundary, axis_names = aux
-        return cls(dict(zip(offsets, leaves)), shape, boundary, axis_names)
+        offsets, shape, boundary, axis_names, symmetric = aux
+        return cls(dict(zip(offsets, leaves)), shape, boundary, axis_names, symmetric)
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
 
+    @property
+    def entries(self) -> dict:
+        """Every offset's coefficients (a symmetric operator's other half
+        shifted from the stored one: `entries[-o][i] = entries[o][i - o]`)."""
+        if not self.symmetric:
+            return self.stored
+        full = dict(self.stored)
+        for o, c in self.stored.items():
+            if any(o):
+                moved = _moved(jnp.broadcast_to(c, self.shape), tuple(-v for v in o),
+                               self._closed(), self.axis_names)
+                full[tuple(-v for v in o)] = moved
+        return full
+
+    def _closed(self) -> tuple:
+        """Per axis, what lies outside for a symmetric operator (it couples to
+        nothing there): zero, or wrapped on a periodic axis."""
+        return tuple("periodic" if b == "periodic" else "dirichlet" for b in self.boundary)
+
     def __call__(self, x):
         if jnp.shape(x) != self.shape:
             raise ValueError(f"the stencil operator acts on arrays of shape {self.shape}; got "
                              f"{jnp.shape(x)}.")
-        dtype = jnp.result_type(x, *self.entries.values())
-        shifts = _shifts(x.astype(dtype), list(self.entries), self.boundary, self.axis_names)
+        dtype = jnp.result_type(x, *self.stored.values())
+        x = x.astype(dtype)
+        if self.symmetric:
+            return self._symmetric_product(x)
+        shifts = _shifts(x, list(self.stored), self.boundary, self.axis_names)
         y = None
-        for k, coefficient in enumerate(self.entries.values()):
+        for k, coefficient in enumerate(self.stored.values()):
             term = coefficient * shifts[k]
             y = term if y is None else y + term
         return y
 
+    def _symmetric_product(self, x):
+        """`A x` from the stored half: row `i` takes `e_o[i] x[i + o]` and, for
+        the coupling the other way, `e_o[i - o] x[i - o]`, i.e. the product
+        `e_o x` moved by `-o`. The moved products are summed axis by axis
+        before each move (`_placed`), so a sharded axis sends one halo per
+        direction, as the full stencil's shifts of `x` do."""
+        closed = self._closed()
+        offsets = [o for o in self.stored if any(o)]
+        shifts = _shifts(x, offsets, closed, self.axis_names)
+        y = self.stored.get((0,) * self.ndim, 0.0) * x
+        for o, shifted in zip(offsets, shifts):
+            y = y + self.stored[o] * shifted
+        back = {tuple(-v for v in o): self.stored[o] * x for o in offsets}
+        return y + _placed(back, closed, self.axis_names) if back else y
+
     def diagonal(self):
         """The operator's diagonal (the centre entry), an array of the grid's shape."""
-        centre = self.entries.get((0,) * self.ndim, 0.0)
-        dtype = jnp.result_type(*self.entries.values())
+        centre = self.stored.get((0,) * self.ndim, 0.0)
+        dtype = jnp.result_type(*self.stored.values())
         return jnp.broadcast_to(jnp.asarray(centre, dtype), self.shape)
 
     def __repr__(self):
         return (f"StencilOperator(shape={self.shape}, offsets={sorted(self.entries)}, "
-                f"boundary={self.boundary})")
+                f"boundary={self.boundary}{', symmetric' if self.symmetric else ''})")
 
 
 def _shifts(x, offsets: list, boundary: tuple, axis_names: tuple) -> list:
@@ -105,6 +153,31 @@ def _shifts(x, offsets: list, boundary: tuple, axis_names: tuple) -> list:
         return memo[offset]
 
     return [shifted(offset) for offset in offsets]
+
+
+def _moved(x, offset: tuple, boundary: tuple, axis_names: tuple):
+    """`x[i + offset]` (one unit shift after another), outside as `boundary` says."""
+    for axis, o in enumerate(offset):
+        for _ in range(abs(o)):
+            x = _unit_shift(x, axis, 1 if o > 0 else -1, boundary[axis], axis_names[axis])
+    return x
+
+
+def _placed(terms: dict, boundary: tuple, axis_names: tuple):
+    """`sum over o of terms[o][i + o]`, with what lies outside as `boundary`
+    says, moving along the last axis first and summing the terms that share
+    their offset's leading components before the next move: one shift of a
+    sum instead of one per term (on a sharded axis: one halo per direction)."""
+    groups = dict(terms)
+    for axis in reversed(range(len(boundary))):
+        merged = {}
+        for o, term in groups.items():
+            term = _moved(term, tuple(v if a == axis else 0 for a, v in enumerate(o)),
+                          boundary, axis_names)
+            key = o[:axis]
+            merged[key] = term if key not in merged else merged[key] + term
+        groups = merged
+    return groups[()]
 
 
 def _unit_shift(x, axis: int, step: int, kind: str, name=None):
@@ -294,7 +367,9 @@ def diffusion_operator(k: Any, *, shape: tuple | None = None, spacing: Any = 1.0
 
     Returns:
         A `StencilOperator` with the `2 ndim + 1` offsets of the 3-, 5- or
-        7-point stencil.
+        7-point stencil, stored by half (`symmetric`: the centre and one
+        face per axis; a matrix-vector product reads `ndim + 1`
+        coefficient arrays instead of `2 ndim + 1`).
 
     Raises:
         TypeError, ValueError: `k` or `shift` arrays of another shape, a
@@ -335,28 +410,33 @@ def diffusion_operator(k: Any, *, shape: tuple | None = None, spacing: Any = 1.0
     entries = {}
     for axis in range(ndim):
         kc = jnp.broadcast_to(jnp.asarray(ks[axis], dtype), shape)
+        faces = _face_coefficients(kc, axis, bounds[axis], names[axis])
         scale = 1.0 / float(h[axis]) ** 2
-        for side in (1, -1):
-            face = _face_coefficient(kc, axis, side, bounds[axis], names[axis]) * scale
-            offset = tuple(side if a == axis else 0 for a in range(ndim))
-            inside = _interior(shape, axis, side, bounds[axis], names[axis])
-            entries[offset] = (-face * inside).astype(dtype)
-            centre = centre + face
+        # stored by half: the face to the -1 side is the neighbour's +1 face
+        offset = tuple(1 if a == axis else 0 for a in range(ndim))
+        inside = _interior(shape, axis, 1, bounds[axis], names[axis])
+        entries[offset] = (-faces[1] * scale * inside).astype(dtype)
+        centre = centre + (faces[1] + faces[-1]) * scale
     entries[(0,) * ndim] = centre.astype(dtype)
-    return StencilOperator(entries, shape, bounds, names)
+    return StencilOperator(entries, shape, bounds, names, symmetric=True)
 
 
-def _face_coefficient(kc, axis: int, side: int, boundary: str, name=None):
-    """Per cell, the coefficient of its face on `side` (+1 or -1) of `axis`:
-    the harmonic mean with the neighbour; at the grid's edge `2 k` (Dirichlet,
-    the face half a cell out), 0 (Neumann) or the wrapped neighbour's mean."""
-    neighbour = _unit_shift(kc, axis, side, "periodic" if boundary == "periodic" else "dirichlet",
-                            name)
-    mean = 2 * kc * neighbour / (kc + neighbour)
+def _face_coefficients(kc, axis: int, boundary: str, name=None) -> dict:
+    """Per cell, the coefficients of its two faces on `axis` (keys +1, -1): the
+    harmonic mean with the neighbour on that side; at the grid's edge `2 k`
+    (Dirichlet, the face half a cell out), 0 (Neumann) or the wrapped
+    neighbour's mean. One mean per face: a cell's face on side -1 is its
+    neighbour's on side +1 (the mean is symmetric in its two cells, so both
+    cells get the same number), shifted in."""
+    kind = "periodic" if boundary == "periodic" else "dirichlet"
+    neighbour = _unit_shift(kc, axis, 1, kind, name)
+    plus = 2 * kc * neighbour / (kc + neighbour)
+    minus = _unit_shift(plus, axis, -1, kind, name)
     if boundary == "periodic":
-        return mean
-    edge = _edge_mask(kc.shape, axis, side, name)
-    return jnp.where(edge, 2 * kc if boundary == "dirichlet" else 0.0, mean)
+        return {1: plus, -1: minus}
+    outside = 2 * kc if boundary == "dirichlet" else jnp.zeros_like(kc)
+    return {side: jnp.where(_edge_mask(kc.shape, axis, side, name), outside, mean)
+            for side, mean in ((1, plus), (-1, minus))}
 
 
 def _edge_mask(shape: tuple, axis: int, side: int, name=None):
