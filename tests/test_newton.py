@@ -125,8 +125,13 @@ def test_no_root_stops_with_a_status_in_a_batch():
         return sx.newton_krylov(bratu(lam), U0, precond_builder=bratu_multigrid(lam))
 
     sol = jax.vmap(solve)(jnp.array([1.0, 6.0, 7.5]))
-    assert list(np.asarray(sol.status)) == [Status.CONVERGED, Status.CONVERGED,
-                                            Status.LINE_SEARCH]
+    status = list(np.asarray(sol.status))
+    assert status[:2] == [Status.CONVERGED, Status.CONVERGED]
+    # no root: the steps stop decreasing ||F|| (LINE_SEARCH) or run out
+    # (MAX_STEPS), which of the two depends on the inner solves' path
+    # (LINE_SEARCH after 28 steps with a 4/3-damped Jacobi multigrid,
+    # MAX_STEPS after 50 with 8/5), never a root
+    assert status[2] in (Status.LINE_SEARCH, Status.MAX_STEPS) and sol.residual_norm[2] > 1
 
 
 def test_a_pytree_state():

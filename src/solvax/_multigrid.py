@@ -33,6 +33,12 @@ from . import _checks, _precond
 from ._stencil import StencilOperator, _edge_mask, _shifts, _unit_shift, global_index
 
 CYCLES = ("V", "W")
+# Jacobi's damping times lambda_max(D^-1 A), by grid dimension: the classic
+# optima for the 3-point and the 5-point Laplacian (omega = 2/3 and 4/5 with
+# lambda_max = 2). 8/5 for 3-D grids too: measured, CG took one iteration
+# fewer with it than with 4/3 on Poisson 1024^2 and 64^3 (8 against 9), and
+# 12/7 (the 7-point optimum) one more than 8/5 on the 3-D anisotropic problem.
+_JACOBI_DAMPING = {1: 4 / 3, 2: 8 / 5}
 SMOOTHERS = ("jacobi", "chebyshev")
 
 
@@ -523,7 +529,7 @@ class Multigrid:
         lmax = level.lmax.astype(jnp.abs(r).dtype)
         keep = functools.partial(_computed, level.lmax)
         if self.smoother == "jacobi":
-            omega = 4 / (3 * lmax)
+            omega = _JACOBI_DAMPING[min(level.op.ndim, 2)] / lmax
             for _ in range(self.steps):
                 if x is None:
                     x = keep(lambda: omega * dinv(r))
@@ -589,7 +595,8 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
         operator: a `StencilOperator` whose offsets are within one point
             per axis (e.g. from `diffusion_operator` or `stencil_operator`).
         cycle: `"V"` or `"W"`.
-        smoother: `"jacobi"` (damped, `omega = 4 / (3 lambda_max(D^-1 A))`)
+        smoother: `"jacobi"` (damped, `omega = 8 / (5 lambda_max(D^-1 A))`
+            on 2- and 3-D grids, `4 / (3 lambda_max)` on 1-D ones)
             or `"chebyshev"` (a polynomial in `D^-1 A` over
             `[chebyshev_lower * 1.1 lambda_max, 1.1 lambda_max]`), with
             `lambda_max` estimated per level at set-up by power iteration.
