@@ -624,7 +624,7 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
             input's dtype. The Krylov method's residuals and convergence
             test stay in the operator's precision, so a float64 solve with a
             float32 cycle still reaches float64 tolerances (Poisson 1024^2:
-            the same 9 CG iterations to 1e-8) at half the memory traffic
+            the same 8 CG iterations to 1e-8) at half the memory traffic
             per cycle. The preconditioner is then linear only up to float32
             rounding: CG and GMRES still reach 1e-11 and 1e-10 with it in
             at most one more iteration (tested; `docs/multigrid.md`).
