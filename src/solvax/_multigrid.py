@@ -349,11 +349,8 @@ def _smoothing_data(op: StencilOperator, lanczos: bool = True):
     """
     diag = op.diagonal()
     dinv = 1 / diag
-    # the row sums computed into one array before the maximum reads them
-    # (XLA:CPU's reductions read materialized inputs: one per entry otherwise)
-    ratio = _computed(None, lambda: jnp.abs(dinv) * sum(
-        jnp.abs(jnp.broadcast_to(c, op.shape)) for o, c in op.entries.items() if any(o)))
-    gershgorin = 1 + jnp.max(ratio)
+    off = sum(jnp.abs(jnp.broadcast_to(c, op.shape)) for o, c in op.entries.items() if any(o))
+    gershgorin = 1 + jnp.max(off * jnp.abs(dinv))
     names = tuple(name for name in op.axis_names if name is not None)
     if names:
         gershgorin = jax.lax.pmax(gershgorin, names)
@@ -427,8 +424,6 @@ def _computed(runtime_true, fn, *args):
     as is."""
     if jax.default_backend() != "cpu":
         return fn(*args)
-    if runtime_true is None:
-        runtime_true = jax.lax.optimization_barrier(jnp.ones((), bool))
     # the other branch: zeros typed like `fn`'s output (inside `shard_map`,
     # varying over the same mesh axes); the compiler drops `fn` there
     return jax.lax.cond(runtime_true == runtime_true, fn,
