@@ -66,6 +66,20 @@ def test_stencil_matches_its_definition(shape, boundary):
     assert rel_err(op.diagonal(), np.broadcast_to(centre, shape)) < 1e-15
 
 
+@pytest.mark.parametrize("shape, boundary", CASES)
+def test_half_stored_operators_are_their_whole_stencils(shape, boundary):
+    """A diffusion operator and every level of its multigrid hierarchy (9- and
+    27-point Galerkin stencils) are stored by half; each product is the one
+    of the whole stencil its `entries` give."""
+    rng = np.random.default_rng(3)
+    A = sx.diffusion_operator(jnp.asarray(np.exp(rng.standard_normal(shape))), boundary=boundary)
+    for op in [A] + [level.op for level in sx.multigrid(A, coarse_size=1).levels]:
+        whole = sx.StencilOperator(op.entries, op.shape, op.boundary)
+        assert op.symmetric and (len(op.stored) < len(op.entries) or len(op.entries) == 1)
+        x = jnp.asarray(rng.standard_normal(op.shape))
+        assert rel_err(op(x), whole(x)) < 1e-14, (op, shape, boundary)
+
+
 def test_complex_and_float32_fields():
     op = sx.stencil_operator({(0,): 2.0, (1,): -1.0, (-1,): -1j}, shape=(6,),
                              boundary="periodic")

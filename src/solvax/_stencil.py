@@ -81,9 +81,9 @@ class StencilOperator:
         full = dict(self.stored)
         for o, c in self.stored.items():
             if any(o):
-                moved = _moved(jnp.broadcast_to(c, self.shape), tuple(-v for v in o),
-                               self._closed(), self.axis_names)
-                full[tuple(-v for v in o)] = moved
+                back = tuple(-v for v in o)
+                full[back] = _shifts(jnp.broadcast_to(c, self.shape), [back], self._closed(),
+                                     self.axis_names)[0]
         return full
 
     def _closed(self) -> tuple:
@@ -155,25 +155,19 @@ def _shifts(x, offsets: list, boundary: tuple, axis_names: tuple) -> list:
     return [shifted(offset) for offset in offsets]
 
 
-def _moved(x, offset: tuple, boundary: tuple, axis_names: tuple):
-    """`x[i + offset]` (one unit shift after another), outside as `boundary` says."""
-    for axis, o in enumerate(offset):
-        for _ in range(abs(o)):
-            x = _unit_shift(x, axis, 1 if o > 0 else -1, boundary[axis], axis_names[axis])
-    return x
-
-
 def _placed(terms: dict, boundary: tuple, axis_names: tuple):
     """`sum over o of terms[o][i + o]`, with what lies outside as `boundary`
     says, moving along the last axis first and summing the terms that share
     their offset's leading components before the next move: one shift of a
     sum instead of one per term (on a sharded axis: one halo per direction)."""
+    ndim = len(boundary)
     groups = dict(terms)
-    for axis in reversed(range(len(boundary))):
+    for axis in reversed(range(ndim)):
         merged = {}
-        for o, term in groups.items():
-            term = _moved(term, tuple(v if a == axis else 0 for a, v in enumerate(o)),
-                          boundary, axis_names)
+        for o, term in groups.items():   # `o`: the offset's first `axis + 1` components
+            if o[axis]:
+                along = tuple(o[axis] if a == axis else 0 for a in range(ndim))
+                term = _shifts(term, [along], boundary, axis_names)[0]
             key = o[:axis]
             merged[key] = term if key not in merged else merged[key] + term
         groups = merged
