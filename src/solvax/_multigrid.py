@@ -134,6 +134,7 @@ def _transfer(op: StencilOperator, axes: tuple) -> _Transfer:
     linear, 1/2 and 1/2, for a constant coefficient; 1/3 next to a
     cell-centred Dirichlet edge)."""
     shape = op.shape
+    entries = op.entries   # a symmetric operator's other half built once
     weights = []
     for t, axis in enumerate(axes):
         n, nc = shape[axis], shape[axis] // 2
@@ -147,9 +148,9 @@ def _transfer(op: StencilOperator, axes: tuple) -> _Transfer:
                 c = _every_other(c, later, 1)
             return c
 
-        zero = sampled(jnp.zeros((), jnp.result_type(*op.entries.values())))
+        zero = sampled(jnp.zeros((), jnp.result_type(*op.stored.values())))
         collapsed = {s: zero for s in (-1, 0, 1)}
-        for o, c in op.entries.items():
+        for o, c in entries.items():
             collapsed[o[axis]] = collapsed[o[axis]] + sampled(c)
         centre = jnp.abs(collapsed[0])
         safe = jnp.where(centre > 0, centre, 1)
@@ -278,7 +279,7 @@ def _galerkin(op: StencilOperator, transfer: _Transfer) -> StencilOperator:
 
 
 def _is_concrete(op: StencilOperator) -> bool:
-    return not any(isinstance(c, jax.core.Tracer) for c in op.entries.values())
+    return not any(isinstance(c, jax.core.Tracer) for c in op.stored.values())
 
 
 def _strengths(op: StencilOperator) -> list:
@@ -296,7 +297,7 @@ def _strengths(op: StencilOperator) -> list:
 def _shards_of(op: StencilOperator) -> tuple:
     """Per grid axis, how many devices split it: read from a concrete
     coefficient array's sharding (1 per axis when there is none to read)."""
-    for c in op.entries.values():
+    for c in op.stored.values():
         sharding = getattr(c, "sharding", None)
         if jnp.ndim(c) == op.ndim and isinstance(sharding, jax.sharding.NamedSharding):
             sizes = dict(sharding.mesh.shape)
@@ -401,7 +402,7 @@ def _gathered_operator(op: StencilOperator) -> StencilOperator:
 def _dense_inverse(op: StencilOperator):
     """The pseudo-inverse of the coarsest operator as a dense matrix."""
     size = math.prod(op.shape)
-    dtype = jnp.result_type(*op.entries.values())
+    dtype = jnp.result_type(*op.stored.values())
     eye = jnp.eye(size, dtype=dtype).reshape((size,) + op.shape)
     columns = jax.vmap(op)(eye).reshape(size, size)   # row k: A e_k
     return jnp.linalg.pinv(columns.T)

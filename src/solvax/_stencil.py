@@ -78,11 +78,11 @@ class StencilOperator:
         shifted from the stored one: `entries[-o][i] = entries[o][i - o]`)."""
         if not self.symmetric:
             return self.stored
-        full = dict(self.stored)
+        full, closed = dict(self.stored), self._closed()
         for o, c in self.stored.items():
             if any(o):
                 back = tuple(-v for v in o)
-                full[back] = _shifts(jnp.broadcast_to(c, self.shape), [back], self._closed(),
+                full[back] = _shifts(jnp.broadcast_to(c, self.shape), [back], closed,
                                      self.axis_names)[0]
         return full
 
