@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _checks, _precond
-from ._stencil import StencilOperator, _edge_mask, _shifts, _unit_shift, global_index
+from ._stencil import StencilOperator, _edge_mask, _shifts, _unit_shift, global_index, stored_half
 
 CYCLES = ("V", "W")
 # Jacobi's damping times lambda_max(D^-1 A), by grid dimension: the classic
@@ -239,7 +239,7 @@ def _galerkin_axis(op: StencilOperator, axis: int, weights: dict) -> StencilOper
                     terms.setdefault(target, []).append((s, t, o))
     offsets = sorted(terms)
     if op.symmetric:   # so is `P^T A P`: its stored half only
-        offsets = [o for o in offsets if _stored_half(o)]
+        offsets = [o for o in offsets if stored_half(o)]
     shifted = {t: dict(zip(offsets, _shifts(alpha[t], offsets, op.boundary, op.axis_names)))
                for t in (-1, 0, 1)}
     fine_rows = {o: rows(jnp.broadcast_to(c, shape)) for o, c in fine.items()}
@@ -250,13 +250,6 @@ def _galerkin_axis(op: StencilOperator, axis: int, weights: dict) -> StencilOper
             total = total + alpha[s] * fine_rows[o][s] * shifted[t][target]
         entries[target] = total
     return StencilOperator(entries, coarse, op.boundary, op.axis_names, op.symmetric)
-
-
-def _stored_half(offset: tuple) -> bool:
-    """The offsets a symmetric operator stores: the centre and those whose
-    first nonzero component is positive."""
-    first = next((v for v in offset if v), 1)
-    return first > 0
 
 
 def _galerkin(op: StencilOperator, transfer: _Transfer) -> StencilOperator:

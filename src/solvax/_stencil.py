@@ -132,6 +132,13 @@ class StencilOperator:
                 f"boundary={self.boundary}{', symmetric' if self.symmetric else ''})")
 
 
+def stored_half(offset: tuple) -> bool:
+    """The offsets a symmetric operator stores: the centre and those whose
+    first nonzero component is positive."""
+    first = next((v for v in offset if v), 1)
+    return first > 0
+
+
 def _shifts(x, offsets: list, boundary: tuple, axis_names: tuple) -> list:
     """`[x[i + o] for each offset o]`, each built from unit shifts along one
     axis at a time (memoized: `(2, 0)` is `(1, 0)` shifted once more). A unit
