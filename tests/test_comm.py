@@ -116,3 +116,36 @@ def test_unknown_nested_trip_count_is_flagged():
     r = sx.count_collectives(f, x)
     assert r.unknown_trip_counts and r.per_iteration == 1
     assert "unknown trip count" in str(r)
+
+
+def test_a_variadic_all_reduce_counts_each_array_it_moves():
+    """Two separate sums in a loop step: one tuple all-reduce on jax >= 0.7 (the
+    combiner), two instructions before; executed per step, 2 arrays either
+    way (XLA:CPU synchronizes once per array). One stacked sum: 1."""
+    x = put(jnp.ones(64), M, "i")
+
+    def loop(step):
+        return lambda x: lax.fori_loop(0, 3, lambda _, v: step(v), x)
+
+    separate = sx.count_collectives(loop(lambda v: v * (jnp.sum(v) + jnp.sum(v * v))), x)
+    stacked = sx.count_collectives(loop(
+        lambda v: v * jnp.sum(jnp.sum(jnp.stack([v, v * v]), axis=1))), x)
+    assert separate.step_count("all-reduce") == 2, str(separate)
+    assert separate.count("all-reduce") == (1 if sx._reduce.MERGES_ALL_REDUCES else 2)
+    assert stacked.step_count("all-reduce") == stacked.count("all-reduce") == 1, str(stacked)
+    assert "executed per step" in str(stacked)
+
+
+def test_a_conditional_executes_its_busiest_branch():
+    """A conditional inside a loop step with one reduction in one branch and
+    two in the other: 3 instructions in the step, at most 2 executed."""
+    x = put(jnp.ones(64), M, "i")
+
+    def step(i, v):
+        return lax.cond(i % 2 == 0, lambda v: v / jnp.sum(v),
+                        lambda v: v / jnp.sum(jnp.sin(v)) / jnp.max(v), v)
+
+    r = sx.count_collectives(lambda x: lax.fori_loop(0, 3, step, x), x)
+    own = [c for c in r.collectives if c.loops and c.kind == "all-reduce"]
+    assert len(own) == 3 and all(c.branches for c in own), str(r)
+    assert r.step_count("all-reduce") == 2 and r.loop_count(r.step_loop, "all-reduce") == 2

@@ -2,7 +2,8 @@
 
 `count_collectives(fn, *args)` compiles `jax.jit(fn)` for `args`, reads the
 optimized HLO module and walks its call graph from the entry computation,
-recording every collective instruction with the `while` loops that enclose it.
+recording every collective instruction with the `while` loops and the
+conditional branches that enclose it, and how many arrays it moves.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ class Collective:
     loops: tuple[str, ...]  # enclosing while loops, outermost first
     weight: int  # executions per iteration of the outermost enclosing loop
     name: str
+    # arrays it moves: XLA's all-reduce combiner merges independent all-reduces
+    # into one variadic instruction, which XLA:CPU runs as one rendezvous per
+    # array (measured: two scalars in one tuple all-reduce cost what two
+    # all-reduces cost, a stacked 2-vector what one costs)
+    operands: int = 1
+    # enclosing conditional branches, outermost first: (conditional, branch index)
+    branches: tuple[tuple[str, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +78,16 @@ class CollectiveReport:
         loops: every `while` loop that encloses a collective, outermost first.
         unknown_trip_counts: a nested loop with collectives has no known trip count.
         collectives: every instruction found.
+        step_loop: the innermost communicating loop (the deepest, and of those
+            the one with most collectives): one CG or BiCGStab iteration, one
+            Arnoldi or Lanczos step, one IDR(s) cycle, one s-step outer step;
+            None without loops.
+        per_step: per kind, the collectives one pass of `step_loop`
+            *executes*: a variadic (tuple) instruction counts each array it
+            moves (XLA:CPU synchronizes once per array), a conditional its
+            busiest branch only (one branch runs). The synchronizations of
+            a Krylov step are `per_step["all-reduce"]` (plus any all-gather);
+            collective-permutes are neighbour (halo) exchanges.
     """
 
     total: int
@@ -81,10 +99,22 @@ class CollectiveReport:
     loops: tuple[Loop, ...]
     unknown_trip_counts: bool
     collectives: tuple[Collective, ...]
+    step_loop: str | None = None
+    per_step: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def count(self, kind: str) -> int:
         """Instructions of one kind (`"all-reduce"`, `"all-gather"`, ...)."""
         return self.by_kind.get(kind, 0)
+
+    def step_count(self, kind: str) -> int:
+        """Collectives of one kind executed per pass of `step_loop` (see `per_step`)."""
+        return self.per_step.get(kind, 0)
+
+    def loop_count(self, loop: str, kind: str) -> int:
+        """Collectives of one kind one pass of the loop named `loop` executes
+        itself (not counting loops nested in it), counted as in `per_step`."""
+        own = [c for c in self.collectives if c.loops and c.loops[-1] == loop and c.kind == kind]
+        return _executed(own)
 
     def __str__(self) -> str:
         rows = [("kind", "instructions", "bytes")]
@@ -93,6 +123,9 @@ class CollectiveReport:
         width = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = [f"collectives: total {self.total}, setup {self.setup}, "
                  f"per iteration {self.per_iteration} ({self.bytes_per_iteration} bytes)"]
+        if self.step_loop is not None:
+            executed = ", ".join(f"{k} {v}" for k, v in sorted(self.per_step.items()))
+            lines.append(f"  executed per step ({self.step_loop}): {executed or 'none'}")
         if self.unknown_trip_counts:
             lines.append("  note: a nested loop with collectives has an unknown trip count "
                          "(counted once per outer iteration)")
@@ -116,6 +149,25 @@ def _bytes(shape: str, kind: str, opcode: str) -> int:
     if kind == "all-reduce" or not opcode.endswith("-start"):
         return sum(sizes)
     return max(sizes)  # async forms carry (operand, result, ...): count the data once
+
+
+def _operands(rest: str) -> int:
+    """The arrays an instruction takes (its operand list ends at the first `)`)."""
+    return max(1, len(re.findall(r"%[\w.\-]+", rest.split(")")[0])))
+
+
+def _executed(collectives, depth: int = 0) -> int:
+    """How many synchronizations these collectives of one loop pass execute:
+    each counts its arrays; of a conditional's branches, only the busiest."""
+    total = sum(c.operands for c in collectives if len(c.branches) == depth)
+    by_conditional: dict = {}
+    for c in collectives:
+        if len(c.branches) > depth:
+            cond, branch = c.branches[depth]
+            by_conditional.setdefault(cond, {}).setdefault(branch, []).append(c)
+    for branches in by_conditional.values():
+        total += max(_executed(cs, depth + 1) for cs in branches.values())
+    return total
 
 
 def _parse(text: str):
@@ -146,13 +198,16 @@ def analyze_hlo(text: str) -> CollectiveReport:
     loops: dict[str, Loop] = {}
     own: Counter = Counter()
 
-    def visit(comp: str, stack: tuple[str, ...], weight: int, seen: tuple[str, ...]):
+    def visit(comp: str, stack: tuple[str, ...], weight: int, seen: tuple[str, ...],
+              branches: tuple = ()):
         if comp not in comps or comp in seen:
             return
         for name, shape, opcode, rest in comps[comp]:
             base = opcode[:-6] if opcode.endswith("-start") else opcode
             if base in KINDS and not opcode.endswith("-done"):
-                found.append(Collective(base, _bytes(shape, base, opcode), stack, weight, name))
+                operands = _operands(rest) if base == "all-reduce" else 1
+                found.append(Collective(base, _bytes(shape, base, opcode), stack, weight, name,
+                                        operands, branches))
                 if stack:
                     own[stack[-1]] += 1
             if opcode == "while":
@@ -161,13 +216,14 @@ def analyze_hlo(text: str) -> CollectiveReport:
                 loops[name] = Loop(name, len(stack), trips, 0)
                 inner_weight = weight * (trips or 1) if stack else 1
                 for called in _CALLED.findall(rest):
-                    visit(called, stack + (name,), inner_weight, seen + (comp,))
+                    visit(called, stack + (name,), inner_weight, seen + (comp,), branches)
                 continue
             called = _CALLED.findall(rest)
             for group in _CALLED_LIST.findall(rest):
                 called += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
-            for c in called:
-                visit(c, stack, weight, seen + (comp,))
+            for index, c in enumerate(called):
+                inside = branches + ((name, index),) if opcode == "conditional" else branches
+                visit(c, stack, weight, seen + (comp,), inside)
 
     if entry is not None:
         visit(entry, (), 1, ())
@@ -187,6 +243,10 @@ def analyze_hlo(text: str) -> CollectiveReport:
     loop_list = tuple(dataclasses.replace(loops[n], collectives=own[n])
                       for n in loops if n in with_collectives)
     unknown = any(loop.depth > 0 and loop.trip_count is None for loop in loop_list)
+    step_loop = _step_loop(loop_list)
+    step = [c for c in found if c.loops and c.loops[-1] == step_loop]
+    per_step = {kind: _executed([c for c in step if c.kind == kind])
+                for kind in sorted({c.kind for c in step})}
     return CollectiveReport(
         total=len(found),
         setup=sum(1 for c in found if not c.loops),
@@ -197,7 +257,17 @@ def analyze_hlo(text: str) -> CollectiveReport:
         loops=loop_list,
         unknown_trip_counts=unknown,
         collectives=tuple(found),
+        step_loop=step_loop,
+        per_step=per_step,
     )
+
+
+def _step_loop(loops: tuple[Loop, ...]) -> str | None:
+    """The innermost communicating loop: the deepest, the busiest of those."""
+    if not loops:
+        return None
+    deepest = max(loop.depth for loop in loops)
+    return max((lp for lp in loops if lp.depth == deepest), key=lambda lp: lp.collectives).name
 
 
 def compiled_text(fn: Callable, *args: Any, **kwargs: Any) -> str:

@@ -40,6 +40,7 @@ CYCLES = ("V", "W")
 # 12/7 (the 7-point optimum) one more than 8/5 on the 3-D anisotropic problem.
 _JACOBI_DAMPING = {1: 4 / 3, 2: 8 / 5}
 SMOOTHERS = ("jacobi", "chebyshev")
+COARSE = ("direct", "chebyshev")
 
 
 def _along(x, axis: int, start: int, stop: int):
@@ -360,6 +361,28 @@ def _smoothing_data(op: StencilOperator, lanczos: bool = True):
     return lmax.astype(gershgorin.dtype)
 
 
+def _coarse_bounds(op: StencilOperator, steps: int = 20):
+    """`(lambda_min, lambda_max)` of `D^{-1} A` on the coarsest level, for its
+    Chebyshev polynomial: the extreme Ritz values of `steps` Lanczos steps
+    (at most the level's size; an invariant subspace stops them early),
+    `lambda_max` raised by 10 % and capped by Gershgorin's bound as for the
+    smoothers. The Ritz `lambda_min` lies above the true one: the modes
+    below it are damped less, not amplified (see `Multigrid._chebyshev`)."""
+    diag = op.diagonal()
+    names = tuple(name for name in op.axis_names if name is not None)
+    gershgorin = _smoothing_data(op, lanczos=False)
+    v = jnp.asarray(np.sin(np.arange(math.prod(op.shape)) * 2.399963 + 0.3).reshape(op.shape),
+                    diag.dtype) + 0 * diag
+    root = jnp.sqrt(jnp.abs(1 / diag))
+    lmin, lmax = _precond.estimate_spectrum(lambda u: root * op(root * u), v, steps=steps,
+                                            axis_name=names or None)
+    lmax = jnp.where(jnp.isfinite(lmax), jnp.minimum(1.1 * lmax, gershgorin), gershgorin)
+    # a non-finite or non-positive estimate (a singular level): the interval's
+    # lower end as a small fraction of the upper, as for the smoothers
+    lmin = jnp.where(jnp.isfinite(lmin) & (lmin > 0), jnp.minimum(lmin, 0.5 * lmax), 1e-3 * lmax)
+    return lmin.astype(gershgorin.dtype), lmax.astype(gershgorin.dtype)
+
+
 def _global_size(op: StencilOperator) -> int:
     return math.prod(n * (1 if name is None else jax.lax.psum(1, name))
                      for n, name in zip(op.shape, op.axis_names))
@@ -451,19 +474,29 @@ class Multigrid:
     """A multigrid cycle `r -> z ~ A^{-1} r` (see `multigrid`)."""
 
     def __init__(self, levels: list, coarse_inverse, cycle: str, smoother: str, steps: int,
-                 lower: float, dtype=None):
+                 lower: float, dtype=None, coarse_bounds=None, coarse_degree: int = 0):
         self.levels = levels
-        self.coarse_inverse = coarse_inverse
+        self.coarse_inverse = coarse_inverse    # None with a Chebyshev coarsest level
+        self.coarse_bounds = coarse_bounds      # its (lambda_min, lambda_max) of D^-1 A
         self.cycle, self.smoother, self.steps, self.lower = cycle, smoother, steps, lower
         self.dtype = dtype
+        self.coarse_degree = coarse_degree
 
     def tree_flatten(self):
-        return (self.levels, self.coarse_inverse), (self.cycle, self.smoother, self.steps,
-                                                     self.lower, self.dtype)
+        return ((self.levels, self.coarse_inverse, self.coarse_bounds),
+                (self.cycle, self.smoother, self.steps, self.lower, self.dtype,
+                 self.coarse_degree))
 
     @classmethod
     def tree_unflatten(cls, aux, leaves):
-        return cls(*leaves, *aux)
+        levels, inverse, bounds = leaves
+        cycle, smoother, steps, lower, dtype, degree = aux
+        return cls(levels, inverse, cycle, smoother, steps, lower, dtype, bounds, degree)
+
+    @property
+    def coarse(self) -> str:
+        """How the coarsest level is treated: `"direct"` or `"chebyshev"`."""
+        return "direct" if self.coarse_inverse is not None else "chebyshev"
 
     @property
     def shapes(self) -> list:
@@ -476,13 +509,20 @@ class Multigrid:
             raise ValueError(f"the multigrid preconditioner acts on arrays of the grid's shape "
                              f"{shape}; got {jnp.shape(r)}.")
         # `dtype` given: the cycle runs in it, whatever the input's precision
-        dtype = self.dtype if self.dtype is not None else jnp.result_type(r, self.coarse_inverse)
+        own = jnp.result_type(*self.levels[0].op.stored.values())
+        dtype = self.dtype if self.dtype is not None else jnp.result_type(r, own)
         # the cycle's last step is computed into memory (`_computed`): XLA
         # does not recompute it inside each consumer of `z` (a Krylov
         # method's inner product and its update of the search direction)
         return self._cycle(0, r.astype(dtype)).astype(r.dtype)
 
     def _cycle(self, k: int, r):
+        if k == len(self.levels) - 1 and self.coarse_inverse is None:
+            # smoothed, not solved: a fixed polynomial (SPD for an SPD level),
+            # halos only, no gather of a grid still split across devices
+            level = self.levels[-1]
+            lmin, lmax = (jnp.asarray(v).astype(jnp.abs(r).dtype) for v in self.coarse_bounds)
+            return self._chebyshev(level, None, r, lmin, lmax, self.coarse_degree)
         if k == len(self.levels) - 1:
             inverse = self.coarse_inverse.astype(r.dtype)
             # a triangular solve with the identity: XLA's partitioner gives
@@ -525,9 +565,20 @@ class Multigrid:
                 else:
                     x = keep(lambda x: x + omega * dinv(r - level.op(x)), x)
             return x
-        # Chebyshev in D^{-1} A on [lower * lmax, lmax] (Saad, Alg. 12.1)
+        # Chebyshev in D^{-1} A on [lower * 1.1 lmax, 1.1 lmax]
         upper = 1.1 * lmax
-        low = self.lower * upper
+        return self._chebyshev(level, x, r, self.lower * upper, upper, self.steps)
+
+    def _chebyshev(self, level: _Level, x, r, low, upper, steps: int):
+        """`steps` steps of Chebyshev's iteration in `D^{-1} A` on `[low, upper]`
+        for `A x = r` from `x` (zero if None), each computed into memory
+        (Saad, Alg. 12.1). Eigenvalues below `low` are damped less, never
+        amplified: the polynomial stays in `(0, 1]` there, so the map
+        `r -> x` from zero is SPD for an SPD operator."""
+        def dinv(v):
+            return v / level.op.diagonal().astype(v.dtype)
+
+        keep = functools.partial(_computed, level.lmax)
         theta, delta = (upper + low) / 2, (upper - low) / 2
 
         def first(x):
@@ -541,7 +592,7 @@ class Multigrid:
         else:
             res, d, x = keep(first, x)
         rho = delta / theta
-        for _ in range(self.steps - 1):
+        for _ in range(steps - 1):
             rho_next = 1 / (2 * theta / delta - rho)
 
             def step(res, d, x, rho=rho, rho_next=rho_next):
@@ -557,7 +608,8 @@ class Multigrid:
 def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "jacobi",
               steps: int = 2, coarse_size: int = 64, max_levels: int = 30,
               semicoarsening: float = 0.5, chebyshev_lower: float = 0.25,
-              shards: tuple | None = None, dtype=None) -> Multigrid:
+              shards: tuple | None = None, dtype=None, coarse: str = "direct",
+              coarse_degree: int = 8) -> Multigrid:
     """A geometric multigrid preconditioner for a structured-grid operator.
 
     Builds a hierarchy from `operator`'s stencil: each level coarsens the
@@ -606,6 +658,19 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
             sharding when they are concrete arrays; pass it when the set-up
             is traced under `jit`, e.g. `shards=(8, 1)` for `P("i", None)`
             on 8 devices.
+        coarse: how the coarsest level is treated. `"direct"` (default): a
+            dense pseudo-inverse computed at set-up; on a grid still split
+            across devices its residual is gathered once per cycle (one
+            all-gather: a global synchronization in every Krylov
+            iteration). `"chebyshev"`: smoothed, not solved: a Chebyshev
+            polynomial of degree `coarse_degree` in `D^-1 A` over the
+            level's `[lambda_min, lambda_max]` (20 Lanczos steps at
+            set-up); a cycle then communicates only halos. It pays where a
+            global collective costs more than `coarse_degree` neighbour
+            exchanges of the tiny coarsest grid (many devices); on a few
+            devices the gather is cheaper (`docs/multigrid.md`).
+        coarse_degree: the Chebyshev degree with `coarse="chebyshev"` (>= 1;
+            matvecs on the coarsest level per cycle).
         dtype: the precision of the hierarchy and of every cycle: None (the
             operator's) or a narrower one, e.g. `jnp.float32` for a float64
             operator. The set-up casts the operator's coefficients to it;
@@ -636,6 +701,8 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
                          f"or 27-point stencil) for multigrid; got {sorted(operator.entries)}.")
     _checks.check_choice("cycle", cycle, CYCLES)
     _checks.check_choice("smoother", smoother, SMOOTHERS)
+    _checks.check_choice("coarse", coarse, COARSE)
+    coarse_degree = _checks.check_int("coarse_degree", coarse_degree, 1)
     steps = _checks.check_int("steps", steps, 1)
     coarse_size = _checks.check_int("coarse_size", coarse_size, 1, 4096)
     max_levels = _checks.check_int("max_levels", max_levels, 1)
@@ -672,6 +739,10 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
         if not axes:
             break
         op = _jitted(_galerkin)(op, transfer)
+    if coarse == "chebyshev":
+        bounds = _jitted(_coarse_bounds)(levels[-1].op)
+        return Multigrid(levels, None, cycle, smoother, steps, float(chebyshev_lower), dtype,
+                         bounds, coarse_degree)
     coarse_inverse = _jitted(_dense_inverse)(_gathered_operator(levels[-1].op))
     return Multigrid(levels, coarse_inverse, cycle, smoother, steps, float(chebyshev_lower),
                      dtype)

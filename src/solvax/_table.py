@@ -9,6 +9,7 @@ primal returns `x` (diagnostics, when used, add one reduction after the loop).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable
 
@@ -30,6 +31,7 @@ from ._multigrid import multigrid
 from ._newton import newton_krylov
 from ._parallel import shard_map
 from ._partitioned import partitioned_block_tridiagonal_solve, partitioned_tridiagonal_solve
+from ._precond import jacobi
 from ._stencil import diffusion_operator
 from ._tridiagonal import cyclic_tridiagonal_solve, tridiagonal_solve
 
@@ -40,9 +42,10 @@ class Row:
     devices: int
     primal: int
     adjoint: int
-    per_step: int
+    per_step: int          # synchronizations one step executes (all-reduces, all-gathers)
     all_gathers: int
     bytes_per_step: int
+    halos_per_step: int = 0  # neighbour exchanges one step executes (collective-permutes)
 
 
 def _diag(d):
@@ -101,7 +104,19 @@ _PYTREE = [
 ]
 
 
+# PCG of every method with a preconditioner: Jacobi on the diagonal
+# problem, multigrid on the 64 x 64 grid (rows added in `_multigrid_cases`)
+_PCG_METHODS = [("", {}), (", single_reduction", {"method": "single_reduction"}),
+                (", pipelined", {"method": "pipelined"}),
+                (", s_step s=4", {"method": "s_step", "s": 4})]
+_JACOBI = [(f"PCG{label} + Jacobi", pcg, {**options, "jacobi": True})
+           for label, options in _PCG_METHODS]
+
+
 def _krylov(solver, options):
+    options = dict(options)
+    if options.pop("jacobi", False):
+        return lambda d, b, **kw: solver(_diag(d), b, precond=jacobi(d), **options, **kw).x
     return lambda d, b, **kw: solver(_diag(d), b, **options, **kw).x
 
 
@@ -135,9 +150,9 @@ def _structured_cases(mesh: Mesh, n: int, put, rng) -> dict[str, tuple[Callable,
     }
 
 
-def _multigrid_cg(k, b):
+def _multigrid_cg(k, b, coarse="direct", **options):
     A = diffusion_operator(k)
-    return pcg(A, b, precond=multigrid(A)).x
+    return pcg(A, b, precond=multigrid(A, coarse=coarse), **options).x
 
 
 def _newton(d, b):
@@ -160,6 +175,12 @@ def _multigrid_cases(mesh: Mesh, rng) -> dict[str, tuple[Callable, tuple]]:
         k, b = (jax.device_put(jnp.asarray(v), NamedSharding(m, spec))
                 for v in (np.exp(rng.standard_normal((64, 64))), rng.standard_normal((64, 64))))
         cases[f"multigrid-preconditioned CG, 64x64 grid {label}"] = (_multigrid_cg, (k, b))
+        if spec == P("i", None):
+            for method, options in _PCG_METHODS[1:]:
+                cases[f"multigrid-preconditioned CG{method}, 64x64 grid {label}"] = (
+                    functools.partial(_multigrid_cg, **options), (k, b))
+            cases[f"multigrid-preconditioned CG, Chebyshev coarsest level, 64x64 grid "
+                  f"{label}"] = (functools.partial(_multigrid_cg, coarse="chebyshev"), (k, b))
     return cases
 
 
@@ -174,7 +195,8 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
     tree_b = {"vector": b, "field": put(rng.standard_normal((4, n)), None, "i")}
     return {
         **_structured_cases(mesh, n, put, rng),
-        **{case: (_krylov(solver, options), (diag, b)) for case, solver, options in _KRYLOV},
+        **{case: (_krylov(solver, options), (diag, b))
+           for case, solver, options in _KRYLOV + _JACOBI},
         **{case: (_shard_mapped(mesh, _krylov(solver, options)), (diag, b))
            for case, solver, options in _SHARD_MAPPED},
         **{case: (_krylov(solver, options), (tree_d, tree_b))
@@ -191,16 +213,19 @@ def _loss(fn):
     return loss
 
 
-def _innermost_step(report) -> tuple[int, int]:
-    """Collectives (and bytes) of one pass of the innermost communicating loop:
-    one CG iteration, one Arnoldi or Lanczos step, one IDR(s) cycle (s + 1
-    matvecs), one s-step CG outer step (s iterations)."""
-    if not report.loops:
-        return 0, 0
-    deepest = max(loop.depth for loop in report.loops)
-    loop = max((lp for lp in report.loops if lp.depth == deepest), key=lambda lp: lp.collectives)
-    step = [c for c in report.collectives if c.loops and c.loops[-1] == loop.name]
-    return len(step), sum(c.bytes for c in step)
+def _step_counts(report) -> tuple[int, int, int]:
+    """What one pass of the innermost communicating loop executes (one CG
+    iteration, one Arnoldi or Lanczos step, one IDR(s) cycle of s + 1
+    matvecs, one s-step CG outer step of s iterations): synchronizations
+    (every collective but the neighbour exchanges: all-reduces, each array
+    of a variadic one counted, and all-gathers), collective-permutes, and
+    the bytes they all move."""
+    if report.step_loop is None:
+        return 0, 0, 0
+    halos = report.step_count("collective-permute")
+    syncs = sum(report.per_step.values()) - halos
+    step = [c for c in report.collectives if c.loops and c.loops[-1] == report.step_loop]
+    return syncs, halos, sum(c.bytes for c in step)
 
 
 def measure(devices: int, n: int = 512, cases: list[str] | None = None) -> list[Row]:
@@ -220,17 +245,18 @@ def measure(devices: int, n: int = 512, cases: list[str] | None = None) -> list[
             continue
         primal = count_collectives(fn, *args)
         adjoint = count_collectives(jax.grad(_loss(fn), argnums=tuple(range(len(args)))), *args)
-        per_step, step_bytes = _innermost_step(primal)
-        rows.append(Row(case, devices, primal.total, adjoint.total, per_step,
-                        primal.count("all-gather") + adjoint.count("all-gather"), step_bytes))
+        syncs, halos, step_bytes = _step_counts(primal)
+        rows.append(Row(case, devices, primal.total, adjoint.total, syncs,
+                        primal.count("all-gather") + adjoint.count("all-gather"), step_bytes,
+                        halos))
     return rows
 
 
 def format_table(rows: list[Row]) -> str:
-    header = ("case", "devices", "primal", "adjoint", "per step", "all-gathers (p+a)",
-              "bytes/step")
+    header = ("case", "devices", "primal", "adjoint", "syncs/step", "halos/step",
+              "all-gathers (p+a)", "bytes/step")
     body = [(r.case, str(r.devices), str(r.primal), str(r.adjoint), str(r.per_step),
-             str(r.all_gathers), str(r.bytes_per_step)) for r in rows]
+             str(r.halos_per_step), str(r.all_gathers), str(r.bytes_per_step)) for r in rows]
     width = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     fmt = lambda line: "  ".join(c.ljust(w) for c, w in zip(line, width)).rstrip()  # noqa: E731
     return "\n".join([fmt(header), fmt(tuple("-" * w for w in width))] + [fmt(b) for b in body])
@@ -244,8 +270,11 @@ def write_json(rows: list[Row], path: str) -> None:
 
 
 MEANING = ("Collective instructions in the optimized HLO (async pairs once): 'primal' = the "
-           "solve, 'adjoint' = jax.grad of sum(x**2); 'per step' = synchronization points in one "
-           "CG/BiCGStab iteration, Arnoldi/Lanczos step, IDR(s) cycle of s + 1 matvecs or s-step "
-           "CG outer step of s iterations (so 1/s per CG iteration), "
+           "solve, 'adjoint' = jax.grad of sum(x**2); 'syncs/step' = global synchronizations "
+           "one CG/BiCGStab iteration, Arnoldi/Lanczos step, IDR(s) cycle of s + 1 matvecs or "
+           "s-step CG outer step of s iterations (so 1/s per CG iteration) executes: "
+           "all-reduces (each array of a variadic one: XLA:CPU synchronizes once per array) "
+           "and all-gathers; 'halos/step' = neighbour exchanges (collective-permutes) it "
+           "executes; "
            "'all-gathers (p+a)' = those of the primal and the adjoint together, "
            "'bytes/step' = what they move.")
