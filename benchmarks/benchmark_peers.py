@@ -12,7 +12,10 @@ strengths 10, 100 and 1000 on 128 x 128 and 512 x 512 grids, solvax's
 default `bicgstab` against `jax.scipy.sparse.linalg.bicgstab` (interleaved
 medians, matvecs, true residual); a latency-bound mesh: 8 emulated
 devices, a diagonal operator on 4096 (and 65536) entries sharded P('i'),
-200 fixed iterations (CG and BiCGStab variants); and the nonlinear row:
+200 fixed iterations (CG and BiCGStab variants, beside the floor: a loop of
+one or two scalar all-reduces and nothing else); multigrid-preconditioned CG
+on 8 devices with the coarsest grid gathered or smoothed (`multigrid_mesh`);
+and the nonlinear row:
 `newton_krylov` with its defaults against SciPy's `newton_krylov` on Bratu
 (λ = 6, 128 x 128; `benchmark_newton.py` has the rest). Reported: compile time
 (lower + compile, caches cleared; median of 5 with the solvers interleaved
@@ -25,6 +28,7 @@ against solvax's GMRES, no peer has MINRES).
 `--small` shrinks every problem and measures each time once (a smoke test).
 """
 
+import functools
 import json
 import os
 import statistics
@@ -317,15 +321,62 @@ def latency(n, iterations=200):
             lambda x: d * x, b, rtol=0.0, max_steps=iterations,
             method=method).iterations)(d, b))
         assert steps == iterations, (method, steps)
+    # the floor: a loop of `iterations` steps doing one (two) all-reduces of
+    # one scalar and nothing else (what one synchronization costs on this mesh)
+    cg.update({f"floor: {k} all-reduce{'s' * (k > 1)}, nothing else":
+               functools.partial(_floor, k=k, iterations=iterations) for k in (1, 2)})
     rows = []
     for fns, base in ((cg, "jax.scipy cg"), (bicgstab, "jax.scipy bicgstab")):
         runs = interleaved(fns, d, b)
-        # collectives per CG/BiCGStab iteration: an s-step loop pass is s iterations
+        # all-reduces executed per CG/BiCGStab iteration (each array of a
+        # variadic one): an s-step loop pass is s iterations
         rows += [dict(problem=f"latency-bound mesh, n={n}, 8 devices", solver=k,
                       ms_per_iteration=1e3 * t / iterations, ratio_to_jax_scipy=t / runs[base],
-                      all_reduces_per_iteration=sx.count_collectives(fns[k], d, b).per_iteration
-                      / (int(k.split("s=")[1]) if "s_step" in k else 1))
+                      all_reduces_per_iteration=sx.count_collectives(fns[k], d, b).step_count(
+                          "all-reduce") / (int(k.split("s=")[1]) if "s_step" in k else 1))
                  for k, t in runs.items()]
+    return rows
+
+
+def _floor(d, b, k, iterations):
+    def body(_, carry):
+        x, total = carry
+        for _ in range(k):
+            total = total + 1e-9 * jnp.sum(x * x)
+            x = 0.999 * x + 1e-12 * total
+        return x, total
+
+    return jax.lax.fori_loop(0, iterations, body, (b, jnp.zeros((), b.dtype)))[0]
+
+
+def multigrid_mesh(sizes=(64, 256)):
+    """Multigrid-preconditioned CG on 8 devices (rows split, `P('i', None)`),
+    log-normal diffusion to 1e-8: the coarsest grid gathered and solved
+    (`coarse="direct"`, one all-gather per iteration) against smoothed where
+    it is split (`coarse="chebyshev"`, degree 8: halos only), the hierarchy
+    built once outside the timed solve."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("i",))
+    sharding = NamedSharding(mesh, P("i", None))
+    rng = np.random.default_rng(0)
+    rows = []
+    solve = jax.jit(lambda A, M, b: sx.pcg(A, b, precond=M, rtol=RTOL))
+    for n in sizes:
+        k, b = (jax.device_put(jnp.asarray(v), sharding)
+                for v in (np.exp(rng.standard_normal((n, n))), rng.standard_normal((n, n))))
+        A = sx.diffusion_operator(k)
+        fns, info = {}, {}
+        for coarse in ("direct", "chebyshev"):
+            M = sx.multigrid(A, coarse=coarse)
+            sol = solve(A, M, b)
+            report = sx.count_collectives(lambda A, M, b: solve(A, M, b).x, A, M, b)
+            fns[coarse] = functools.partial(lambda A, M, b: solve(A, M, b).x, A, M)
+            info[coarse] = dict(iterations=int(sol.iterations), per_step=report.per_step)
+        runs = interleaved(fns, b)
+        for coarse, t in runs.items():
+            its = info[coarse]["iterations"]
+            rows.append(dict(problem=f"MG-CG {n}x{n} P('i', None), 8 devices", coarse=coarse,
+                             iterations=its, solve_s=t, ms_per_iteration=1e3 * t / its,
+                             per_step=info[coarse]["per_step"]))
     return rows
 
 
@@ -344,7 +395,8 @@ def main():
     print(meta)
     rows = []
     # --only: the parts whose name contains it (poisson, convection, bicgstab,
-    # saddle, pytree, latency, newton), e.g. `--only poisson` or `--only latency`
+    # saddle, pytree, latency, multigrid_mesh, newton), e.g. `--only poisson` or
+    # `--only latency`
     part = lambda name: args.only in name  # noqa: E731
     b_poisson = jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_poisson, n_poisson)))
     b_cd = jnp.asarray(1.0 + 0.1 * rng.standard_normal((n_cd, n_cd)))
@@ -385,9 +437,15 @@ def main():
                                                  for k in compiles))
     lat = (latency(4096) + ([] if args.small else latency(65536))) if part("latency") else []
     for r in lat:
-        print(f"{r['problem']:40s} {r['solver']:28s} {r['ms_per_iteration']:8.4f} ms/it "
+        print(f"{r['problem']:40s} {r['solver']:36s} {r['ms_per_iteration']:8.4f} ms/it "
               f"({r['ratio_to_jax_scipy']:.2f}x jax.scipy, "
-              f"{r['all_reduces_per_iteration']:g} collectives/it)")
+              f"{r['all_reduces_per_iteration']:g} all-reduces/it)")
+    coarse = (multigrid_mesh((16,) if args.small else (64, 256))
+              if part("multigrid_mesh") else [])
+    for r in coarse:
+        print(f"{r['problem']:36s} coarsest {r['coarse']:9s} {r['iterations']:3d} iterations "
+              f"{r['solve_s']:.4f} s, {r['ms_per_iteration']:.3f} ms/it, per step "
+              f"{r['per_step']}")
     newton = (benchmark_newton.defaults(args.small, [("bratu 6", 16 if args.small else 128)])
               if part("newton") else [])
     if args.json:
@@ -395,7 +453,7 @@ def main():
             json.dump({"meta": meta, "problems": rows, "bicgstab_one_device": sweep,
                        "newton": newton,
                        "pytree_compile_s": compiles,
-                       "latency": lat}, f, indent=1)
+                       "latency": lat, "multigrid_mesh": coarse}, f, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
         import matplotlib

@@ -19,7 +19,7 @@ def _main_job(tmp_path, *args):
     out = subprocess.run([sys.executable, "-m", "solvax", "--json", str(path), *args],
                          capture_output=True, text=True, env=entry_point_env(), timeout=600,
                          check=True).stdout
-    assert "8 CPU devices" in out and "all-gathers (p+a)" in out
+    assert "8 CPU devices" in out and "all-gathers (p+a)" in out and "halos/step" in out
     rows = {r["case"]: r for r in json.loads(path.read_text())["rows"]}
     for case in rows:
         assert case in out  # the printed table and the JSON are the same rows
@@ -56,16 +56,35 @@ def test_python_m_solvax_names_the_cases_for_an_unknown_one():
 def test_python_m_solvax_prints_the_live_table(tmp_path):
     """The whole table, as the README's main command prints it."""
     _, rows = _main_job(tmp_path)
-    assert len(rows) >= 30  # every row of the table (30 today)
+    assert len(rows) >= 42  # every row of the table (42 today)
     _check_pcg_rows(rows)
-    # the multigrid rows: the iteration's halos and reductions exactly; the
-    # whole program (set-up included) at most what JAX 0.10.2 / 0.4.38 emit
-    # (105 / 111 and 268 / 279 since symmetric storage; 110 / 116 and
-    # 304 / 315 before; fusion barriers in the set-up once made the first
-    # 119, a strided slice the 0.4.38 one 140)
-    for spec, per_step, most in (("P('i', None)", 35, 111), ("P('i', 'j') on 2x4", 102, 279)):
-        row = rows[f"multigrid-preconditioned CG, 64x64 grid {spec}"]
-        assert row["per_step"] == per_step and row["primal"] <= most, row
+    # a preconditioner adds no synchronization: Jacobi rows as the plain ones
+    for method in ("", ", single_reduction", ", pipelined", ", s_step s=4"):
+        jacobi = rows[f"PCG{method} + Jacobi"]
+        assert jacobi["per_step"] == (2 if not method else 1) and jacobi["halos_per_step"] == 0
+    # a pytree of two leaves sharded differently: one all-reduce per leaf per
+    # reduction under jit (executed: the combiner's tuple is one rendezvous
+    # per array on XLA:CPU), on both JAX versions
+    assert rows["pytree PCG single_reduction, P('i') + P(None,'i')"]["per_step"] == 2
+    # the multigrid rows: synchronizations (CG's all-reduces and the coarsest
+    # grid's all-gathers) and halos per iteration exactly, the same on JAX
+    # 0.10.2 and 0.4.38; the whole program (set-up included) at most what
+    # either emits (0.10.2 / 0.4.38: 105 / 111 since symmetric storage; 110 /
+    # 116 before; fusion barriers in the set-up once made the first 119, a
+    # strided slice the 0.4.38 one 140)
+    grid = "64x64 grid P('i', None)"
+    for case, syncs, halos, most in (
+            (f"multigrid-preconditioned CG, {grid}", 3, 32, 111),
+            (f"multigrid-preconditioned CG, single_reduction, {grid}", 2, 32, 110),
+            (f"multigrid-preconditioned CG, pipelined, {grid}", 2, 32, 178),
+            (f"multigrid-preconditioned CG, s_step s=4, {grid}", 5, 128, 211),
+            (f"multigrid-preconditioned CG, Chebyshev coarsest level, {grid}", 2, 46, 134),
+            ("multigrid-preconditioned CG, 64x64 grid P('i', 'j') on 2x4", 6, 96, 279)):
+        row = rows[case]
+        assert (row["per_step"], row["halos_per_step"]) == (syncs, halos), row
+        assert row["primal"] <= most, row
+    assert rows[f"multigrid-preconditioned CG, Chebyshev coarsest level, {grid}"][
+        "all_gathers"] == 0
 
 
 @pytest.mark.benchmark
