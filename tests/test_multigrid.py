@@ -250,7 +250,7 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="within one point"):
         sx.multigrid(wide)
     with pytest.raises(ValueError, match="`cycle`"):
-        sx.multigrid(A, cycle="F")
+        sx.multigrid(A, cycle="K")
     with pytest.raises(ValueError, match="`smoother`"):
         sx.multigrid(A, smoother="gauss-seidel")
     with pytest.raises(ValueError, match="`steps`"):

@@ -43,6 +43,7 @@ from ._precond import jacobi as jacobi
 from ._reduce import InnerProduct as InnerProduct
 from ._solution import Solution as Solution
 from ._solution import Status as Status
+from ._stationary import multigrid_solve as multigrid_solve
 from ._stencil import StencilOperator as StencilOperator
 from ._stencil import diffusion_operator as diffusion_operator
 from ._stencil import stencil_operator as stencil_operator
@@ -77,6 +78,7 @@ __all__ = [
     "minres",
     "Multigrid",
     "multigrid",
+    "multigrid_solve",
     "newton_krylov",
     "NewtonSolution",
     "partitioned_block_tridiagonal_solve",

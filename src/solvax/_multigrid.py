@@ -32,7 +32,7 @@ import numpy as np
 from . import _checks, _precond
 from ._stencil import StencilOperator, _edge_mask, _shifts, _unit_shift, global_index, stored_half
 
-CYCLES = ("V", "W")
+CYCLES = ("V", "W", "F")
 # Jacobi's damping times lambda_max(D^-1 A), by grid dimension: the classic
 # optima for the 3-point and the 5-point Laplacian (omega = 2/3 and 4/5 with
 # lambda_max = 2). 8/5 for 3-D grids too: measured, CG took one iteration
@@ -514,9 +514,12 @@ class Multigrid:
         # the cycle's last step is computed into memory (`_computed`): XLA
         # does not recompute it inside each consumer of `z` (a Krylov
         # method's inner product and its update of the search direction)
-        return self._cycle(0, r.astype(dtype)).astype(r.dtype)
+        return self._cycle(0, r.astype(dtype), self.cycle).astype(r.dtype)
 
-    def _cycle(self, k: int, r):
+    def _cycle(self, k: int, r, kind: str):
+        """One cycle from level `k` for the residual `r`: `kind` V (one coarse
+        correction), W (two, each a W-cycle) or F (two: an F-cycle, then a
+        V-cycle on what it left)."""
         if k == len(self.levels) - 1 and self.coarse_inverse is None:
             # smoothed, not solved: a fixed polynomial (SPD for an SPD level),
             # halos only, no gather of a grid still split across devices
@@ -541,9 +544,10 @@ class Multigrid:
         x = self._smooth(level, None, r)
         residual = keep(lambda x: r - level.op(x), x)
         rc = keep(level.transfer.restrict, residual)
-        e = self._cycle(k + 1, rc)
-        if self.cycle == "W" and k + 2 < len(self.levels):
-            e = e + self._cycle(k + 1, keep(lambda e: rc - coarse.op(e), e))
+        e = self._cycle(k + 1, rc, kind)
+        if kind != "V" and k + 2 < len(self.levels):
+            again = "W" if kind == "W" else "V"
+            e = e + self._cycle(k + 1, keep(lambda e: rc - coarse.op(e), e), again)
         x = keep(lambda x, e: x + level.transfer.prolong(e), x, e)
         return self._smooth(level, x, r)
 
@@ -635,7 +639,10 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     Args:
         operator: a `StencilOperator` whose offsets are within one point
             per axis (e.g. from `diffusion_operator` or `stencil_operator`).
-        cycle: `"V"` or `"W"`.
+        cycle: `"V"`, `"W"` or `"F"` (on each level an F-cycle then a
+            V-cycle below it: between V and W in work). V and W cycles are
+            symmetric (for CG); an F-cycle is not (use it with `gmres`,
+            `bicgstab` or `multigrid_solve`).
         smoother: `"jacobi"` (damped, `omega = 8 / (5 lambda_max(D^-1 A))`
             on 2- and 3-D grids, `4 / (3 lambda_max)` on 1-D ones)
             or `"chebyshev"` (a polynomial in `D^-1 A` over

@@ -32,6 +32,7 @@ from ._newton import newton_krylov
 from ._parallel import shard_map
 from ._partitioned import partitioned_block_tridiagonal_solve, partitioned_tridiagonal_solve
 from ._precond import jacobi
+from ._stationary import multigrid_solve
 from ._stencil import diffusion_operator
 from ._tridiagonal import cyclic_tridiagonal_solve, tridiagonal_solve
 
@@ -155,6 +156,10 @@ def _multigrid_cg(k, b, coarse="direct", **options):
     return pcg(A, b, precond=multigrid(A, coarse=coarse), **options).x
 
 
+def _multigrid_cycles(k, b):
+    return multigrid_solve(diffusion_operator(k), b).x
+
+
 def _newton(d, b):
     """Newton–Krylov on `d u + u^3 = b` (BiCGStab inside): a step is its linear
     solve's collectives and one norm of `F` per step length tried."""
@@ -181,6 +186,8 @@ def _multigrid_cases(mesh: Mesh, rng) -> dict[str, tuple[Callable, tuple]]:
                     functools.partial(_multigrid_cg, **options), (k, b))
             cases[f"multigrid-preconditioned CG, Chebyshev coarsest level, 64x64 grid "
                   f"{label}"] = (functools.partial(_multigrid_cg, coarse="chebyshev"), (k, b))
+            cases[f"multigrid_solve (V-cycles alone), 64x64 grid {label}"] = (
+                _multigrid_cycles, (k, b))
     return cases
 
 
