@@ -68,6 +68,7 @@ RTOL = 1e-8
 REPEATS = 5
 COMPILE_REPEATS = 5
 WARMUP_ROUNDS = 1  # unmeasured compile rounds first (none in a --small smoke run)
+LATENCY_REPEATS = 21  # the latency part's rounds (a --small run: 1)
 S_VALUES = (2, 4, 8)  # s-step CG's s (a --small smoke run: s = 4 alone)
 IDR_S_VALUES = (1, 2, 4, 8)  # IDR(s)'s s (likewise)
 
@@ -180,13 +181,14 @@ def compile_times(fns, *args):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def interleaved(fns, *args):
-    """Median run time of each function, warm, run round-robin REPEATS times."""
+def interleaved(fns, *args, repeats=None):
+    """Median run time of each function, warm, run round-robin `repeats`
+    (default REPEATS) times."""
     compiled = {name: jax.jit(fn) for name, fn in fns.items()}
     for f in compiled.values():
         jax.block_until_ready(f(*args))
     times = {name: [] for name in fns}
-    for _ in range(REPEATS):
+    for _ in range(REPEATS if repeats is None else repeats):
         for name, f in compiled.items():
             start = time.perf_counter()
             jax.block_until_ready(f(*args))
@@ -327,7 +329,8 @@ def latency(n, iterations=200):
                functools.partial(_floor, k=k, iterations=iterations) for k in (1, 2)})
     rows = []
     for fns, base in ((cg, "jax.scipy cg"), (bicgstab, "jax.scipy bicgstab")):
-        runs = interleaved(fns, d, b)
+        # 21 rounds: a run is ~0.1 s, and this mesh's scheduling noise is large
+        runs = interleaved(fns, d, b, repeats=max(REPEATS, LATENCY_REPEATS))
         # all-reduces executed per CG/BiCGStab iteration (each array of a
         # variadic one): an s-step loop pass is s iterations
         rows += [dict(problem=f"latency-bound mesh, n={n}, 8 devices", solver=k,
@@ -384,8 +387,8 @@ def main():
     args = parse_args(__doc__)
     n_poisson, n_cd = (32, 16) if args.small else (512, 256)
     if args.small:  # a smoke test: one measurement each
-        global REPEATS, COMPILE_REPEATS, WARMUP_ROUNDS, S_VALUES, IDR_S_VALUES
-        REPEATS = COMPILE_REPEATS = 1
+        global REPEATS, COMPILE_REPEATS, WARMUP_ROUNDS, S_VALUES, IDR_S_VALUES, LATENCY_REPEATS
+        REPEATS = COMPILE_REPEATS = LATENCY_REPEATS = 1
         WARMUP_ROUNDS = 0
         S_VALUES = IDR_S_VALUES = (4,)
     rng = np.random.default_rng(0)
