@@ -15,6 +15,10 @@ relative residual of 1e-8 (checked on the returned x). Parts (`--only`):
   `(1, 1, 1e-3)` (3-D), and float32.
 - `nonsymmetric`: upwind convection-diffusion (the peers benchmark's
   operator, strength 10) with `gmres` and `bicgstab`.
+- `blocks`: random blocks of contrast 1e4 (16^2, 8^2, 4^2 cells at 256^2
+  and 512^2, 8^3 and 4^3 at 64^3) with the default hierarchy, the `"full"`
+  interpolation, and `"full"` with multicolour Gauss-Seidel and W-cycles,
+  beside pyamg's Ruge-Stueben and smoothed aggregation.
 - `time`: Poisson 1024^2, compiled and warm, set-up included (the
   coefficient field is an argument of the jitted function, so the hierarchy
   is built in every call): solvax's multigrid-preconditioned CG against
@@ -175,6 +179,47 @@ def nonsymmetric(small):
     return rows
 
 
+# the random-block family (issue 39): the configurations measured beside pyamg
+BLOCK_CONFIGS = {"default": {}, "full": dict(interpolation="full"),
+                 "full, Gauss-Seidel, W": dict(interpolation="full", smoother="gauss_seidel",
+                                               cycle="W")}
+
+
+def random_blocks(shape, size, seed=0, contrast=1e4):
+    """Cell-centred coefficients, each block of `size` cells per axis 1 or
+    `contrast` at random (50/50)."""
+    rng = np.random.default_rng(seed)
+    k = np.where(rng.random(tuple(n // size for n in shape)) < 0.5, contrast, 1.0)
+    for axis in range(len(shape)):
+        k = np.repeat(k, size, axis=axis)
+    return k
+
+
+def blocks(small):
+    """MG-CG on random blocks of contrast 1e4 (harmonic face means, written
+    as a general 5- or 7-point `stencil_operator`), beside pyamg's Ruge-Stueben
+    and smoothed aggregation on the same matrices."""
+    cases = ([((32, 32), 8), ((32, 32), 4), ((8, 8, 8), 4)] if small else
+             [((256, 256), 16), ((256, 256), 8), ((256, 256), 4), ((512, 512), 16),
+              ((512, 512), 8), ((512, 512), 4), ((64, 64, 64), 8), ((64, 64, 64), 4)])
+    rows = []
+    for shape, size in cases:
+        k = jnp.asarray(random_blocks(shape, size))
+        op = sx.stencil_operator(sx.diffusion_operator(k).entries)  # stored whole
+        b = rhs(shape)
+        row = dict(shape=list(shape), block=size)
+        for name, options in BLOCK_CONFIGS.items():
+            row[name] = mg_solve(op, b, **options)
+        row["pyamg_rs"] = pyamg_solve(op, b)
+        row["pyamg_sa"] = pyamg_solve(op, b, method="smoothed_aggregation")
+        rows.append(row)
+        print(f"{str(shape):14s} blocks of {size:2d}: " + ", ".join(
+            f"{name} {row[name]['iterations']}" for name in BLOCK_CONFIGS)
+            + f"; pyamg RS {row['pyamg_rs']['iterations']}, SA {row['pyamg_sa']['iterations']}",
+            flush=True)
+    return rows
+
+
 def timing(small):
     n = 64 if small else 1024
     repeats = 7   # this machine drifts by 10-15 % between runs
@@ -256,7 +301,7 @@ def plot(out, path):
 def main():
     args = parse_args(__doc__)
     out = run_parts(args, (("sizes", sizes), ("coefficients", coefficients),
-                           ("nonsymmetric", nonsymmetric), ("time", timing)),
+                           ("nonsymmetric", nonsymmetric), ("blocks", blocks), ("time", timing)),
                     {"jax": jax.__version__, "cpu_count": os.cpu_count(), "rtol": RTOL},
                     args.small)
     if args.plot and "sizes" in out:

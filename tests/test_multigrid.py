@@ -270,6 +270,8 @@ def test_bad_input_names_the_argument():
         sx.multigrid(A)(jnp.ones((8, 9)))
     with pytest.raises(ValueError, match="`coarse`"):
         sx.multigrid(A, coarse="gather")
+    with pytest.raises(ValueError, match="`interpolation`"):
+        sx.multigrid(A, interpolation="bilinear")
     with pytest.raises(ValueError, match="`coarse_degree`"):
         sx.multigrid(A, coarse="chebyshev", coarse_degree=0)
     # the valid inputs nearest to those: a 1-D three-point stencil, one
@@ -357,3 +359,36 @@ def test_shard_map_axis_names_are_checked():
         sx.diffusion_operator(1.0, shape=(8, 8), axis_names=("i",))
     assert sx.diffusion_operator(1.0, shape=(8, 8), axis_names=(None, None)).axis_names == (
         None, None)
+
+
+@pytest.mark.parametrize("shape, boundary", [
+    ((12, 10), ("neumann", "dirichlet")),
+    ((12, 12), ("periodic", "dirichlet")),
+])
+def test_full_interpolation_is_galerkin_and_spd(shape, boundary):
+    """`interpolation="full"` (black-box: the points inside a coarse cell from
+    the whole stencil) with `R A P` by probing: every coarse operator is the
+    dense Galerkin product, the cycle (with multicolour Gauss-Seidel
+    smoothing) is SPD, and on blocks jumping by 1e4 CG takes fewer
+    iterations than with the collapsed interpolation."""
+    A = sx.diffusion_operator(field(shape), boundary=boundary, shift=0.05)
+    mg = sx.multigrid(A, coarse_size=4, interpolation="full", smoother="gauss_seidel")
+    assert mg.levels[0].transfer.full
+    assert_galerkin(mg)
+    M = matrix_of(mg, shape)
+    np.testing.assert_allclose(M, M.T, atol=1e-12)
+    assert np.linalg.eigvalsh(M).min() > 0
+
+
+def test_full_interpolation_on_small_blocks():
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(np.kron(np.where(rng.random((16, 16)) < 0.5, 1e4, 1.0), np.ones((4, 4))))
+    A = sx.diffusion_operator(k)
+    b = jnp.asarray(rng.standard_normal(k.shape))
+    solve = jax.jit(lambda m, b: sx.pcg(A, b, precond=m, rtol=1e-8))
+    counts = {}
+    for interpolation in ("collapsed", "full"):
+        sol = solve(sx.multigrid(A, interpolation=interpolation), b)
+        assert bool(sol.converged)
+        counts[interpolation] = int(sol.iterations)
+    assert counts["full"] < counts["collapsed"], counts

@@ -23,6 +23,7 @@ level is solved directly with a (pseudo-)inverse computed at set-up.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import jax
@@ -39,8 +40,9 @@ CYCLES = ("V", "W", "F")
 # fewer with it than with 4/3 on Poisson 1024^2 and 64^3 (8 against 9), and
 # 12/7 (the 7-point optimum) one more than 8/5 on the 3-D anisotropic problem.
 _JACOBI_DAMPING = {1: 4 / 3, 2: 8 / 5}
-SMOOTHERS = ("jacobi", "chebyshev")
+SMOOTHERS = ("jacobi", "chebyshev", "gauss_seidel")
 COARSE = ("direct", "chebyshev")
+INTERPOLATIONS = ("collapsed", "full")
 
 
 def _along(x, axis: int, start: int, stop: int):
@@ -89,16 +91,30 @@ class _Transfer:
     at a time, and restriction, its exact transpose."""
 
     def __init__(self, weights: list, shape: tuple, axes: tuple, boundary: tuple,
-                 axis_names: tuple):
+                 axis_names: tuple, centres: list | None = None):
         self.weights, self.shape, self.axes, self.boundary = weights, shape, axes, boundary
         self.axis_names = axis_names
+        # "full" interpolation: per class of points fine along two or more of
+        # the coarsened axes, (offsets, their weights, the class's mask)
+        self.centres = centres or []
 
     def tree_flatten(self):
-        return (self.weights,), (self.shape, self.axes, self.boundary, self.axis_names)
+        leaves = [(w, m) for _, w, m in self.centres]
+        offsets = tuple(o for o, _, _ in self.centres)
+        return (self.weights, leaves), (self.shape, self.axes, self.boundary, self.axis_names,
+                                        offsets)
 
     @classmethod
     def tree_unflatten(cls, aux, leaves):
-        return cls(leaves[0], *aux)
+        weights, centres = leaves
+        *rest, offsets = aux
+        return cls(weights, *rest, [(o, w, m) for o, (w, m) in zip(offsets, centres)])
+
+    @property
+    def full(self) -> bool:
+        """Whether the points inside a coarse cell are interpolated from the
+        whole stencil (then `R A P` is computed by probing, `_galerkin`)."""
+        return bool(self.centres)
 
     @property
     def coarse_shape(self) -> tuple:
@@ -108,6 +124,13 @@ class _Transfer:
         for axis, weights in zip(self.axes, self.weights):
             c = _prolong_axis(c, axis, self.shape[axis], self.boundary[axis] == "periodic",
                               weights, self.axis_names[axis])
+        boundary = tuple("periodic" if b == "periodic" else "dirichlet" for b in self.boundary)
+        for offsets, weights, mask in self.centres:
+            # a point inside a coarse cell from its neighbours in the cell's
+            # faces and edges (interpolated before it) and corners (coarse)
+            near = _shifts(c, list(offsets), boundary, self.axis_names)
+            value = sum(w * v for w, v in zip(weights, near))
+            c = jnp.where(mask, value, c)
         return c
 
     def restrict(self, r):
@@ -126,7 +149,7 @@ class _Transfer:
         return rc
 
 
-def _transfer(op: StencilOperator, axes: tuple) -> _Transfer:
+def _transfer(op: StencilOperator, axes: tuple, full: bool = False) -> _Transfer:
     """Operator-dependent interpolation (Dendy's black-box multigrid, one axis
     at a time): along axis `a`, a fine point between two coarse ones takes
     them with weights `|a_-| / |a_0|` and `|a_+| / |a_0|`, the stencil
@@ -167,7 +190,40 @@ def _transfer(op: StencilOperator, axes: tuple) -> _Transfer:
             if n > 2 * nc:
                 w_minus = jnp.where(first == nc, w_minus + w_plus, w_minus)
         weights.append(dict(minus=w_minus, plus=w_plus))
-    return _Transfer(weights, shape, axes, op.boundary, op.axis_names)
+    centres = _centres(op, axes) if full else []
+    return _Transfer(weights, shape, axes, op.boundary, op.axis_names, centres)
+
+
+def _centres(op: StencilOperator, axes: tuple) -> list:
+    """Dendy's interpolation inside a coarse cell (black-box multigrid): a
+    fine point that is fine along the coarsened axes `F` (two or more of
+    them) and coarse along the other coarsened ones takes `-sum_o a_o e(x + o)
+    / a_0` over the offsets `o` within `F`, with the stencil (in Dirichlet
+    form) collapsed over the axes outside `F`, from neighbours that are fine
+    along fewer of the axes (interpolated before it) or coarse. Classes in
+    order of `|F|`: in 2-D the cell centres, in 3-D the face centres, then
+    the cell centres. Per class `(offsets, weights, mask)` on the fine grid;
+    weights `|a_o| / |a_0|` (`-a_o / a_0` for an M-matrix, as the edges'
+    collapsed weights)."""
+    form = _dirichlet_form(op)
+    entries = {o: jnp.broadcast_to(c, op.shape) for o, c in form.entries.items()}
+    parity = {a: global_index(op.shape, a, op.axis_names[a])[0] % 2 for a in axes}
+    out = []
+    for size in range(2, len(axes) + 1):
+        for F in itertools.combinations(axes, size):
+            collapsed = {}
+            for o, c in entries.items():
+                key = tuple(v if a in F else 0 for a, v in enumerate(o))
+                collapsed[key] = collapsed.get(key, 0.0) + c
+            zero = (0,) * op.ndim
+            centre = jnp.abs(collapsed.pop(zero, jnp.zeros(op.shape)))
+            safe = jnp.where(centre > 0, centre, 1)
+            offsets = sorted(collapsed)
+            weights = [jnp.where(centre > 0, jnp.abs(collapsed[o]) / safe, 0) for o in offsets]
+            mask = functools.reduce(jnp.logical_and, [
+                parity[a] == (0 if a in F else 1) for a in axes])
+            out.append((tuple(offsets), weights, mask))
+    return out
 
 
 def _dirichlet_form(op: StencilOperator) -> StencilOperator:
@@ -261,15 +317,49 @@ def _galerkin(op: StencilOperator, transfer: _Transfer) -> StencilOperator:
     saved about 5 % of the set-up on one device but added collectives to
     it on a sharded grid, 110 -> 119 in the 64 x 64 P('i', None) row of
     `python -m solvax`: XLA no longer shared the halos of the steps.)"""
-    out = _dirichlet_form(op)
-    for axis, weights in reversed(list(zip(transfer.axes, transfer.weights))):
-        out = _galerkin_axis(out, axis, weights)
+    if transfer.full:
+        out = _galerkin_probed(op, transfer)
+    else:
+        out = _dirichlet_form(op)
+        for axis, weights in reversed(list(zip(transfer.axes, transfer.weights))):
+            out = _galerkin_axis(out, axis, weights)
     # a coarse axis of one point (outside a shard_map block, not wrapped)
     # couples along it to nothing
     flat = [a for a, (m, name, b) in enumerate(zip(out.shape, out.axis_names, out.boundary))
             if m == 1 and name is None and b != "periodic"]
     entries = {o: c for o, c in out.stored.items() if not any(o[a] for a in flat)}
     return StencilOperator(entries, out.shape, out.boundary, op.axis_names, out.symmetric)
+
+
+def _galerkin_probed(op: StencilOperator, transfer: _Transfer) -> StencilOperator:
+    """`R A P` for any transfer whose coarse stencil reaches one point per
+    axis, by probing: with the coarse grid coloured by its indices modulo 3
+    along every axis, `y_c = R A P 1_c` holds at each coarse point `J` its
+    coupling to the one point `J + o` of colour `c` within reach, for each
+    offset `o`. (Exact wherever the colouring is: a periodic axis whose
+    coarse length is not a multiple of 3 takes the collapsed interpolation,
+    see `multigrid`.) 3^d applications of `P`, `A` and `R` per level."""
+    shape = transfer.coarse_shape
+    names = op.axis_names
+    index = [global_index(shape, a, names[a])[0] for a in range(op.ndim)]
+    dtype = jnp.result_type(*op.stored.values())
+    colours = list(itertools.product(range(3), repeat=op.ndim))
+    probes = []
+    for c in colours:
+        hit = functools.reduce(jnp.logical_and, [i % 3 == k for i, k in zip(index, c)])
+        probes.append(transfer.restrict(op(transfer.prolong(hit.astype(dtype)))))
+    probes = jnp.stack(probes)     # (3^d, *coarse shape): colour first
+    offsets = list(itertools.product((-1, 0, 1), repeat=op.ndim))
+    if op.symmetric:
+        offsets = [o for o in offsets if stored_half(o)]
+    entries = {}
+    for o in offsets:
+        # the colour of J + o, as the probes' index
+        colour = sum(((i + v) % 3) * 3 ** (op.ndim - 1 - a)
+                     for a, (i, v) in enumerate(zip(index, o)))
+        entries[o] = jnp.take_along_axis(probes, colour[None], axis=0)[0]
+    boundary = tuple("dirichlet" if b == "neumann" else b for b in op.boundary)
+    return StencilOperator(entries, shape, boundary, names, op.symmetric)
 
 
 def _is_concrete(op: StencilOperator) -> bool:
@@ -541,7 +631,7 @@ class Multigrid:
             return _own_block(z, r.shape, names)
         level, coarse = self.levels[k], self.levels[k + 1]
         keep = functools.partial(_computed, level.lmax)
-        x = self._smooth(level, None, r)
+        x = self._smooth(level, None, r, post=False)
         residual = keep(lambda x: r - level.op(x), x)
         rc = keep(level.transfer.restrict, residual)
         e = self._cycle(k + 1, rc, kind)
@@ -549,9 +639,9 @@ class Multigrid:
             again = "W" if kind == "W" else "V"
             e = e + self._cycle(k + 1, keep(lambda e: rc - coarse.op(e), e), again)
         x = keep(lambda x, e: x + level.transfer.prolong(e), x, e)
-        return self._smooth(level, x, r)
+        return self._smooth(level, x, r, post=True)
 
-    def _smooth(self, level: _Level, x, r):
+    def _smooth(self, level: _Level, x, r, post: bool = False):
         """`steps` steps of the smoother for `A x = r` from `x` (zero if None),
         each computed into memory (`_computed`) before the next reads it.
         `D^{-1}` is a division by the stencil's centre inside each step (the
@@ -569,9 +659,36 @@ class Multigrid:
                 else:
                     x = keep(lambda x: x + omega * dinv(r - level.op(x)), x)
             return x
+        if self.smoother == "gauss_seidel":
+            return self._gauss_seidel(level, x, r, reverse=post)
         # Chebyshev in D^{-1} A on [lower * 1.1 lmax, 1.1 lmax]
         upper = 1.1 * lmax
         return self._chebyshev(level, x, r, self.lower * upper, upper, self.steps)
+
+    def _gauss_seidel(self, level: _Level, x, r, reverse: bool):
+        """`steps` multicolour Gauss-Seidel sweeps: the points coloured by their
+        index parity along each axis (2^d colours: no two points of a colour
+        couple in a 3^d-point stencil), each colour relaxed exactly from the
+        latest values of the others. Pre-smoothing sweeps the colours in one
+        order, post-smoothing in the reverse (so the cycle stays symmetric).
+        Halos only: each colour's update is a masked stencil application."""
+        op = level.op
+        parity = [global_index(op.shape, a, op.axis_names[a])[0] % 2 for a in range(op.ndim)]
+        colours = list(itertools.product((0, 1), repeat=op.ndim))
+        if reverse:
+            colours = colours[::-1]
+        masks = [functools.reduce(jnp.logical_and, [p == c for p, c in zip(parity, colour)])
+                 for colour in colours]
+        keep = functools.partial(_computed, level.lmax)
+        for _ in range(self.steps):
+            for mask in masks:
+                if x is None:
+                    x = keep(lambda mask=mask: jnp.where(mask, r / op.diagonal().astype(r.dtype),
+                                                         0))
+                else:
+                    x = keep(lambda x, mask=mask: jnp.where(
+                        mask, x + (r - op(x)) / op.diagonal().astype(r.dtype), x), x)
+        return x
 
     def _chebyshev(self, level: _Level, x, r, low, upper, steps: int):
         """`steps` steps of Chebyshev's iteration in `D^{-1} A` on `[low, upper]`
@@ -613,7 +730,7 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
               steps: int = 2, coarse_size: int = 64, max_levels: int = 30,
               semicoarsening: float = 0.5, chebyshev_lower: float = 0.25,
               shards: tuple | None = None, dtype=None, coarse: str = "direct",
-              coarse_degree: int = 8) -> Multigrid:
+              coarse_degree: int = 8, interpolation: str = "collapsed") -> Multigrid:
     """A geometric multigrid preconditioner for a structured-grid operator.
 
     Builds a hierarchy from `operator`'s stencil: each level coarsens the
@@ -678,6 +795,16 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
             devices the gather is cheaper (`docs/multigrid.md`).
         coarse_degree: the Chebyshev degree with `coarse="chebyshev"` (>= 1;
             matvecs on the coarsest level per cycle).
+        interpolation: `"collapsed"` (default): one coarsened axis at a time,
+            each fine point from its two coarse neighbours along the axis
+            with weights from the stencil collapsed onto it, and `R A P` in
+            closed form. `"full"` (black-box multigrid, Dendy): the points
+            inside a coarse cell (fine along two or more coarsened axes)
+            from all their neighbours with the whole stencil's weights, and
+            `R A P` by probing (3^d applications of the transfer per level:
+            a slower set-up); for coefficients that jump on small blocks
+            (`docs/multigrid.md`). A level with a periodic axis whose coarse
+            length is not a multiple of 3 is interpolated `"collapsed"`.
         dtype: the precision of the hierarchy and of every cycle: None (the
             operator's) or a narrower one, e.g. `jnp.float32` for a float64
             operator. The set-up casts the operator's coefficients to it;
@@ -709,6 +836,7 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     _checks.check_choice("cycle", cycle, CYCLES)
     _checks.check_choice("smoother", smoother, SMOOTHERS)
     _checks.check_choice("coarse", coarse, COARSE)
+    _checks.check_choice("interpolation", interpolation, INTERPOLATIONS)
     coarse_degree = _checks.check_int("coarse_degree", coarse_degree, 1)
     steps = _checks.check_int("steps", steps, 1)
     coarse_size = _checks.check_int("coarse_size", coarse_size, 1, 4096)
@@ -741,7 +869,9 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
         lmax = _jitted(_smoothing_data, 1)(op, bool(levels))
         last = len(levels) + 1 >= max_levels or _global_size(op) <= coarse_size
         axes = () if last else _axes_to_coarsen(op, float(semicoarsening), shards)
-        transfer = _jitted(_transfer, 1)(op, axes) if axes else None
+        full = interpolation == "full" and len(axes) >= 2 and not any(
+            b == "periodic" and (n // 2) % 3 for b, n in zip(op.boundary, op.shape))
+        transfer = _jitted(_transfer, 1, 2)(op, axes, full) if axes else None
         levels.append(_Level(op, lmax, transfer))
         if not axes:
             break
