@@ -344,11 +344,11 @@ def _galerkin_probed(op: StencilOperator, transfer: _Transfer) -> StencilOperato
     index = [global_index(shape, a, names[a])[0] for a in range(op.ndim)]
     dtype = jnp.result_type(*op.stored.values())
     colours = list(itertools.product(range(3), repeat=op.ndim))
-    probes = []
-    for c in colours:
-        hit = functools.reduce(jnp.logical_and, [i % 3 == k for i, k in zip(index, c)])
-        probes.append(transfer.restrict(op(transfer.prolong(hit.astype(dtype)))))
-    probes = jnp.stack(probes)     # (3^d, *coarse shape): colour first
+    hits = jnp.stack([functools.reduce(jnp.logical_and, [i % 3 == k for i, k in zip(index, c)])
+                      for c in colours]).astype(dtype)
+    # one trace of `R A P` mapped over the colours (unrolled, 27 traces of a
+    # 3-D transfer took minutes to compile); (3^d, *coarse shape)
+    probes = jax.lax.map(lambda hit: transfer.restrict(op(transfer.prolong(hit))), hits)
     offsets = list(itertools.product((-1, 0, 1), repeat=op.ndim))
     if op.symmetric:
         offsets = [o for o in offsets if stored_half(o)]
