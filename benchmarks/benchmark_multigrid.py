@@ -19,6 +19,9 @@ relative residual of 1e-8 (checked on the returned x). Parts (`--only`):
   and 512^2, 8^3 and 4^3 at 64^3) with the default hierarchy, the `"full"`
   interpolation, and `"full"` with multicolour Gauss-Seidel and W-cycles,
   beside pyamg's Ruge-Stueben and smoothed aggregation.
+- `cycles`: V, W and F cycles on Poisson and a log-normal field at 256^2,
+  preconditioning CG (GMRES for the F-cycle) and alone (`multigrid_solve`):
+  iterations and warm time.
 - `time`: Poisson 1024^2, compiled and warm, set-up included (the
   coefficient field is an argument of the jitted function, so the hierarchy
   is built in every call): solvax's multigrid-preconditioned CG against
@@ -220,6 +223,39 @@ def blocks(small):
     return rows
 
 
+def cycles(small):
+    """V, W and F cycles on Poisson and a log-normal field (256^2): as CG's
+    preconditioner (V, W; F is not symmetric: GMRES) and alone
+    (`multigrid_solve`), iterations and warm time to 1e-8, set-up excluded."""
+    n = 32 if small else 256
+    rng = np.random.default_rng(0)
+    fields = {"poisson": jnp.ones((n, n)),
+              "lognormal": jnp.asarray(np.exp(rng.standard_normal((n, n))))}
+    b = rhs((n, n))
+    rows = []
+    for name, k in fields.items():
+        op = sx.diffusion_operator(k)
+        for cycle in sx._multigrid.CYCLES:
+            mg = sx.multigrid(op, cycle=cycle)
+            krylov = sx.pcg if cycle != "F" else sx.gmres
+            fns = {"krylov": lambda m, b, op=op, krylov=krylov: krylov(op, b, precond=m,
+                                                                      rtol=RTOL),
+                   "alone": lambda m, b, op=op: sx.multigrid_solve(op, b, precond=m, rtol=RTOL,
+                                                                   max_cycles=200)}
+            row = dict(field=name, n=n, cycle=cycle, krylov=krylov.__name__)
+            for key, fn in fns.items():
+                sol = jax.jit(fn)(mg, b)
+                row[f"{key}_iterations"] = int(sol.iterations)
+                row[f"{key}_converged"] = bool(sol.converged)
+                row[f"{key}_s"] = median_time(lambda b, fn=fn, mg=mg: fn(mg, b).x, b)
+            rows.append(row)
+            print(f"{name:9s} {n}^2 {cycle}-cycle: {row['krylov']} {row['krylov_iterations']} "
+                  f"iterations {row['krylov_s']:.3f} s; cycles alone {row['alone_iterations']}"
+                  f"{'' if row['alone_converged'] else ' (not converged)'} "
+                  f"{row['alone_s']:.3f} s", flush=True)
+    return rows
+
+
 def timing(small):
     n = 64 if small else 1024
     repeats = 7   # this machine drifts by 10-15 % between runs
@@ -301,7 +337,8 @@ def plot(out, path):
 def main():
     args = parse_args(__doc__)
     out = run_parts(args, (("sizes", sizes), ("coefficients", coefficients),
-                           ("nonsymmetric", nonsymmetric), ("blocks", blocks), ("time", timing)),
+                           ("nonsymmetric", nonsymmetric), ("blocks", blocks),
+                           ("cycles", cycles), ("time", timing)),
                     {"jax": jax.__version__, "cpu_count": os.cpu_count(), "rtol": RTOL},
                     args.small)
     if args.plot and "sizes" in out:

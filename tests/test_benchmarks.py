@@ -10,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+import solvax as sx
+
 pytestmark = pytest.mark.benchmark
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -76,7 +78,17 @@ def test_benchmark_peers_then_multigrid_small(tmp_path):
     assert syncs == {"solvax pcg": 2, "solvax pcg single_reduction": 1,
                      "solvax pcg pipelined": 1, "solvax pcg s_step s=4": 0.25,
                      "jax.scipy cg": 2, "solvax bicgstab": 2, "solvax bicgstab one_sync": 1,
-                     "jax.scipy bicgstab": 4}, syncs
+                     # executed: jax.scipy's 4 instructions, two of them tuples of 2
+                     "jax.scipy bicgstab": 6 if sx._reduce.MERGES_ALL_REDUCES else 4,
+                     "floor: 1 all-reduce, nothing else": 1,
+                     "floor: 2 all-reduces, nothing else": 2}, syncs
+    # multigrid on 8 devices: the coarsest grid gathered, or smoothed (no gather)
+    coarse = {r["coarse"]: r for r in data["multigrid_mesh"]}
+    assert coarse["direct"]["per_step"]["all-gather"] == 1
+    assert "all-gather" not in coarse["chebyshev"]["per_step"]
+    assert coarse["direct"]["per_step"]["all-reduce"] == coarse["chebyshev"]["per_step"][
+        "all-reduce"] == 2
+    assert abs(coarse["direct"]["iterations"] - coarse["chebyshev"]["iterations"]) <= 1
     base = {r["solver"]: r["ratio_to_jax_scipy"] for r in data["latency"]}
     assert base["jax.scipy cg"] == base["jax.scipy bicgstab"] == 1.0
     # the one-device BiCGStab sweep: every size and strength, both converged
@@ -176,6 +188,9 @@ def check_benchmark_multigrid_small(tmp_path):
             assert row[key]["status"] == "CONVERGED" and row[key]["residual"] < 1e-8
         assert row["pyamg_rs"]["residual"] < 1e-8
     assert all(r["status"] == "CONVERGED" for r in data["coefficients"] + data["nonsymmetric"])
+    for row in data["blocks"]:
+        assert all(row[name]["status"] == "CONVERGED" for name in ("default", "full")), row
+    assert all(r["krylov_converged"] and r["alone_converged"] for r in data["cycles"])
     timing = data["time"]
     assert timing["mg_residual"] < 1e-8 and timing["mg_iterations"] < timing["cg_iterations"]
     assert timing["mg_f32_cycle_residual"] < 1e-8
