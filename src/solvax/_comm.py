@@ -113,8 +113,7 @@ class CollectiveReport:
     def loop_count(self, loop: str, kind: str) -> int:
         """Collectives of one kind one pass of the loop named `loop` executes
         itself (not counting loops nested in it), counted as in `per_step`."""
-        own = [c for c in self.collectives if c.loops and c.loops[-1] == loop and c.kind == kind]
-        return _executed(own)
+        return _executed(_own(self.collectives, loop, kind))
 
     def __str__(self) -> str:
         rows = [("kind", "instructions", "bytes")]
@@ -191,9 +190,9 @@ def _parse(text: str):
     return comps, entry
 
 
-def analyze_hlo(text: str) -> CollectiveReport:
-    """Build a `CollectiveReport` from optimized HLO text."""
-    comps, entry = _parse(text)
+def _walk(comps: dict, entry: str | None):
+    """Every collective reachable from the entry computation, every `while`
+    loop met (by name) and each loop's own collectives (`Counter`)."""
     found: list[Collective] = []
     loops: dict[str, Loop] = {}
     own: Counter = Counter()
@@ -227,7 +226,12 @@ def analyze_hlo(text: str) -> CollectiveReport:
 
     if entry is not None:
         visit(entry, (), 1, ())
+    return found, loops, own
 
+
+def analyze_hlo(text: str) -> CollectiveReport:
+    """Build a `CollectiveReport` from optimized HLO text."""
+    found, loops, own = _walk(*_parse(text))
     by_kind = Counter(c.kind for c in found)
     bytes_by_kind = Counter()
     for c in found:
@@ -244,9 +248,8 @@ def analyze_hlo(text: str) -> CollectiveReport:
                       for n in loops if n in with_collectives)
     unknown = any(loop.depth > 0 and loop.trip_count is None for loop in loop_list)
     step_loop = _step_loop(loop_list)
-    step = [c for c in found if c.loops and c.loops[-1] == step_loop]
-    per_step = {kind: _executed([c for c in step if c.kind == kind])
-                for kind in sorted({c.kind for c in step})}
+    per_step = {kind: _executed(_own(found, step_loop, kind))
+                for kind in sorted({c.kind for c in _own(found, step_loop)})}
     return CollectiveReport(
         total=len(found),
         setup=sum(1 for c in found if not c.loops),
@@ -260,6 +263,13 @@ def analyze_hlo(text: str) -> CollectiveReport:
         step_loop=step_loop,
         per_step=per_step,
     )
+
+
+def _own(collectives, loop: str | None, kind: str | None = None) -> list:
+    """The collectives directly in `loop`'s body (not in loops nested in it),
+    of one kind or all."""
+    return [c for c in collectives if c.loops and c.loops[-1] == loop
+            and kind in (None, c.kind)]
 
 
 def _step_loop(loops: tuple[Loop, ...]) -> str | None:

@@ -432,21 +432,37 @@ def _smoothing_data(op: StencilOperator, lanczos: bool = True):
     steps were a third of the set-up (memory-bound passes over the whole
     grid), and without them the measured iterations change by at most one.
     """
-    diag = op.diagonal()
-    dinv = 1 / diag
-    off = sum(jnp.abs(jnp.broadcast_to(c, op.shape)) for o, c in op.entries.items() if any(o))
-    gershgorin = 1 + jnp.max(off * jnp.abs(dinv))
-    names = tuple(name for name in op.axis_names if name is not None)
-    if names:
-        gershgorin = jax.lax.pmax(gershgorin, names)
+    gershgorin = _gershgorin(op)
     if not lanczos:
         return gershgorin
-    size = math.prod(op.shape)
-    v = jnp.asarray(np.sin(np.arange(size) * 2.399963 + 0.3).reshape(op.shape), diag.dtype)
+    _, ritz = _ritz_values(op, 10)
+    return _capped(ritz, gershgorin)
+
+
+def _gershgorin(op: StencilOperator):
+    """Gershgorin's bound on `lambda_max(D^{-1} A)`, over the whole grid."""
+    off = sum(jnp.abs(jnp.broadcast_to(c, op.shape)) for o, c in op.entries.items() if any(o))
+    gershgorin = 1 + jnp.max(off * jnp.abs(1 / op.diagonal()))
+    names = tuple(name for name in op.axis_names if name is not None)
+    return jax.lax.pmax(gershgorin, names) if names else gershgorin
+
+
+def _ritz_values(op: StencilOperator, steps: int):
+    """The extreme Ritz values of `steps` Lanczos steps on `D^{-1/2} A D^{-1/2}`
+    (the spectrum of `D^{-1} A`) from a fixed rough start (set-up only)."""
+    diag = op.diagonal()
+    v = jnp.asarray(np.sin(np.arange(math.prod(op.shape)) * 2.399963 + 0.3).reshape(op.shape),
+                    diag.dtype)
     v = v + 0 * diag   # shaped, sharded (and in a shard_map block, varying) like the grid
-    root = jnp.sqrt(jnp.abs(dinv))
-    _, ritz = _precond.estimate_spectrum(lambda u: root * op(root * u), v, steps=10,
-                                         axis_name=names or None)
+    root = jnp.sqrt(jnp.abs(1 / diag))
+    names = tuple(name for name in op.axis_names if name is not None)
+    return _precond.estimate_spectrum(lambda u: root * op(root * u), v, steps=steps,
+                                      axis_name=names or None)
+
+
+def _capped(ritz, gershgorin):
+    """1.1 times a Ritz estimate of `lambda_max`, at most Gershgorin's bound
+    (the bound alone where the estimate is not finite)."""
     lmax = jnp.where(jnp.isfinite(ritz), jnp.minimum(1.1 * ritz, gershgorin), gershgorin)
     return lmax.astype(gershgorin.dtype)
 
@@ -458,19 +474,13 @@ def _coarse_bounds(op: StencilOperator, steps: int = 20):
     `lambda_max` raised by 10 % and capped by Gershgorin's bound as for the
     smoothers. The Ritz `lambda_min` lies above the true one: the modes
     below it are damped less, not amplified (see `Multigrid._chebyshev`)."""
-    diag = op.diagonal()
-    names = tuple(name for name in op.axis_names if name is not None)
-    gershgorin = _smoothing_data(op, lanczos=False)
-    v = jnp.asarray(np.sin(np.arange(math.prod(op.shape)) * 2.399963 + 0.3).reshape(op.shape),
-                    diag.dtype) + 0 * diag
-    root = jnp.sqrt(jnp.abs(1 / diag))
-    lmin, lmax = _precond.estimate_spectrum(lambda u: root * op(root * u), v, steps=steps,
-                                            axis_name=names or None)
-    lmax = jnp.where(jnp.isfinite(lmax), jnp.minimum(1.1 * lmax, gershgorin), gershgorin)
+    gershgorin = _gershgorin(op)
+    lmin, ritz = _ritz_values(op, steps)
+    lmax = _capped(ritz, gershgorin)
     # a non-finite or non-positive estimate (a singular level): the interval's
     # lower end as a small fraction of the upper, as for the smoothers
     lmin = jnp.where(jnp.isfinite(lmin) & (lmin > 0), jnp.minimum(lmin, 0.5 * lmax), 1e-3 * lmax)
-    return lmin.astype(gershgorin.dtype), lmax.astype(gershgorin.dtype)
+    return lmin.astype(gershgorin.dtype), lmax
 
 
 def _global_size(op: StencilOperator) -> int:
@@ -541,6 +551,11 @@ def _jitted(fn, *static):
     """`fn` compiled (set-up steps run as one program each when called eagerly;
     under an enclosing `jit` they are inlined)."""
     return jax.jit(fn, static_argnums=static)
+
+
+def _dinv(op: StencilOperator, v):
+    """`D^{-1} v`: a division by the stencil's centre (no stored inverse)."""
+    return v / op.diagonal().astype(v.dtype)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -646,9 +661,7 @@ class Multigrid:
         each computed into memory (`_computed`) before the next reads it.
         `D^{-1}` is a division by the stencil's centre inside each step (the
         step's stencil reads it anyway: one array less to read and to keep)."""
-        def dinv(v):
-            return v / level.op.diagonal().astype(v.dtype)
-
+        dinv = functools.partial(_dinv, level.op)
         lmax = level.lmax.astype(jnp.abs(r).dtype)
         keep = functools.partial(_computed, level.lmax)
         if self.smoother == "jacobi":
@@ -683,11 +696,9 @@ class Multigrid:
         for _ in range(self.steps):
             for mask in masks:
                 if x is None:
-                    x = keep(lambda mask=mask: jnp.where(mask, r / op.diagonal().astype(r.dtype),
-                                                         0))
+                    x = keep(lambda mask=mask: jnp.where(mask, _dinv(op, r), 0))
                 else:
-                    x = keep(lambda x, mask=mask: jnp.where(
-                        mask, x + (r - op(x)) / op.diagonal().astype(r.dtype), x), x)
+                    x = keep(lambda x, mask=mask: jnp.where(mask, x + _dinv(op, r - op(x)), x), x)
         return x
 
     def _chebyshev(self, level: _Level, x, r, low, upper, steps: int):
@@ -696,9 +707,7 @@ class Multigrid:
         (Saad, Alg. 12.1). Eigenvalues below `low` are damped less, never
         amplified: the polynomial stays in `(0, 1]` there, so the map
         `r -> x` from zero is SPD for an SPD operator."""
-        def dinv(v):
-            return v / level.op.diagonal().astype(v.dtype)
-
+        dinv = functools.partial(_dinv, level.op)
         keep = functools.partial(_computed, level.lmax)
         theta, delta = (upper + low) / 2, (upper - low) / 2
 

@@ -78,9 +78,12 @@ def _run(problem: Problem, *, max_steps: int | None, record_history: bool,
     M = problem.precond or (lambda v: v)
     with jax.named_scope("solvax.stationary.setup"):
         x, r = problem.residual()
-        bb, rr = jnp.real(ip.multi_dot([(problem.b, problem.b), (r, r)]))
-        x, r = problem.settled(x, r, bb)
-        rr = jnp.where(bb == 0, 0, rr)
+        if problem.x0 is None:   # r = b
+            bb = rr = jnp.real(ip.dot(r, r))
+        else:
+            bb, rr = jnp.real(ip.multi_dot([(problem.b, problem.b), (r, r)]))
+            x, r = problem.settled(x, r, bb)
+            rr = jnp.where(bb == 0, 0, rr)
     tol2 = _driver.squared_threshold(bb, rtol, atol)
     history = problem.history(max_steps + 1, record_history)
     if history is not None:
