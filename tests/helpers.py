@@ -194,6 +194,11 @@ SOLVERS = {s.name: s for s in [
            functools.partial(sx.gmres, restart=5, orthogonalization="cgs2"), "gmres", True,
            (4, 8, 3)),
     Solver("linear_solve_gmres", _linear_solve_gmres, "gmres", True, (3, 6, 2)),
+    # GCRO-DR: as GMRES (the restart's reduction carries C^H r), plus the
+    # harmonic update's Gram matrix per cycle (in a conditional of the restart
+    # loop: 3 in loops, 1 per Arnoldi step); the adjoint refreshes the forward
+    # space for A^T (2 more); from recycle=None no refresh of a given space
+    Solver("gcrot", functools.partial(sx.gcrot, m=12, k=4), "gcrot", True, (4, 10, 3)),
     # the scale, the setup's ||r||^2 (the first rho), and two per step
     Solver("bicgstab", sx.bicgstab, "bicgstab", True, (4, 8, 2)),
     # ... and one per step
@@ -221,6 +226,8 @@ REPRESENTATIVE = {"pcg", "pcg_pipelined", "pcg_s_step", "gmres", "bicgstab", "id
 # ... and the two `linear_solve` wrappers (their own path through the driver)
 WITH_WRAPPERS = REPRESENTATIVE | {"pcg_linear_solve", "linear_solve_gmres"}
 GENERAL_SOLVERS = [name for name, s in SOLVERS.items() if s.nonsymmetric]
+# Methods limited by restarts (`max_restarts`) rather than steps (`max_steps`).
+RESTARTED = ("gmres", "gcrot")
 
 
 def tolerance(dtype, name: str = "") -> tuple[float, float]:

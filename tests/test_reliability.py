@@ -14,6 +14,7 @@ import pytest
 from helpers import (
     DISTINCT,
     REPRESENTATIVE,
+    RESTARTED,
     SOLVERS,
     halo_laplacian,
     mesh,
@@ -142,7 +143,7 @@ def test_a_finite_derivative_is_the_dense_derivative(name, problem, seed, max_st
         problem = "spd"
     A = jnp.asarray(PROBLEMS[problem](np.float64))
     limit = {} if max_steps is None else (
-        dict(max_restarts=max_steps) if SOLVERS[name].method == "gmres"
+        dict(max_restarts=max_steps) if SOLVERS[name].method in RESTARTED
         else dict(max_steps=max_steps))
     solve = SOLVERS[name].solve
     weights = jnp.asarray(np.random.default_rng(seed).standard_normal(N))

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import KRYLOV, SOLVERS, SPD_SOLVERS, WITH_WRAPPERS, poisson_1d, rhs
+from helpers import KRYLOV, RESTARTED, SOLVERS, SPD_SOLVERS, WITH_WRAPPERS, poisson_1d, rhs
 from matrix import levels, sample
 
 import solvax as sx
@@ -30,7 +30,7 @@ def test_zero_rhs(name):
 def test_max_steps_reports_true_residual(name):
     n = 60
     b = rhs(n)
-    kw = dict(max_restarts=1) if SOLVERS[name].method == "gmres" else dict(max_steps=5)
+    kw = dict(max_restarts=1) if SOLVERS[name].method in RESTARTED else dict(max_steps=5)
     sol = KRYLOV[name](poisson_1d, b, rtol=1e-10, **kw)
     assert int(sol.status) == Status.MAX_STEPS and not bool(sol.converged)
     assert np.isclose(float(sol.residual_norm), true_residual(poisson_1d, sol, b), rtol=1e-8)

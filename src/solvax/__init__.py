@@ -22,6 +22,7 @@ from ._cg import pcg as pcg
 from ._cg import pcg_linear_solve as pcg_linear_solve
 from ._comm import CollectiveReport as CollectiveReport
 from ._comm import count_collectives as count_collectives
+from ._gcrot import gcrot as gcrot
 from ._gmres import gmres as gmres
 from ._idrs import idrs as idrs
 from ._linear_solve import linear_solve as linear_solve
@@ -40,6 +41,7 @@ from ._precond import block_jacobi as block_jacobi
 from ._precond import chebyshev as chebyshev
 from ._precond import estimate_spectrum as estimate_spectrum
 from ._precond import jacobi as jacobi
+from ._recycle import RecycleSpace as RecycleSpace
 from ._reduce import InnerProduct as InnerProduct
 from ._solution import Solution as Solution
 from ._solution import Status as Status
@@ -61,6 +63,7 @@ __all__ = [
     "block_tridiagonal_solve_factored",
     "CollectiveReport",
     "InnerProduct",
+    "RecycleSpace",
     "Solution",
     "Status",
     "StencilOperator",
@@ -71,6 +74,7 @@ __all__ = [
     "cyclic_tridiagonal_solve",
     "diffusion_operator",
     "estimate_spectrum",
+    "gcrot",
     "gmres",
     "idrs",
     "jacobi",

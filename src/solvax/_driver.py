@@ -190,6 +190,7 @@ class Outcome(NamedTuple):
     history: jax.Array | None = None
     # (||b - A x||, max(atol, rtol ||b||), ||x||) when the method measured them itself
     residual: tuple[jax.Array, jax.Array, jax.Array] | None = None
+    recycle: PyTree = None  # gcrot: the space for the next solve (scale-free: A U = C)
 
 
 class Method(NamedTuple):
@@ -314,9 +315,11 @@ def _check_axes_bound(axes: tuple) -> None:
 
 
 def solve(method: Method, matvec, b, /, *, x0, precond, rtol, atol, inner_product, axis_name,
-          failed_derivative="nan", data=None, **options) -> Solution:
+          failed_derivative="nan", data=None, adjoint_data=None, **options) -> Solution:
     """`method` on `A x = b`, validated, differentiable and finished (1-4 above);
-    `data`: the method's own traced arguments (`Problem.data`)."""
+    `data`: the method's own traced arguments (`Problem.data`); `adjoint_data`:
+    `Solution -> data` of the transposed solve from the primal one (`gcrot`
+    hands its recycled space on), else the transposed solve gets `data`."""
     _checks.check_choice("failed_derivative", failed_derivative, FAILED_DERIVATIVES)
     options = _common_options(options)
     problem = make_problem(matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
@@ -327,7 +330,8 @@ def solve(method: Method, matvec, b, /, *, x0, precond, rtol, atol, inner_produc
             check_reduced_over(name, op, problem)
     run = functools.partial(_run_and_finish, method, options)
     # The transposed solve: the same method on A^T, started from zero.
-    return implicit_solve(problem, run, lambda p: run(p._replace(x0=None)), failed_derivative)
+    return implicit_solve(problem, run, lambda p: run(p._replace(x0=None)), failed_derivative,
+                          adjoint_data)
 
 
 def _common_options(options: dict) -> dict:
@@ -399,11 +403,12 @@ def finish(problem: Problem, outcome: Outcome, name: str, scale=None) -> Solutio
         norm, tol, xnorm = outcome.residual
     if scale is None:
         return make_solution(outcome.x, outcome.status, outcome.iterations, norm, tol,
-                             history=outcome.history)
+                             history=outcome.history, recycle=outcome.recycle)
     # decided in the scaled problem, where the norms neither under- nor overflow
     status = jnp.where(jnp.isfinite(scale * xnorm), outcome.status, code(Status.NONFINITE))
     sol = make_solution(tree.scale(scale, outcome.x), status, outcome.iterations, norm, tol,
-                        history=None if outcome.history is None else scale * outcome.history)
+                        history=None if outcome.history is None else scale * outcome.history,
+                        recycle=outcome.recycle)
     return sol._replace(residual_norm=scale * norm)
 
 
@@ -463,7 +468,8 @@ def solution_checked(out_ok, failed_derivative: str):
     return jax.tree_util.tree_map(lambda leaf: jnp.where(ok, leaf, jnp.nan), x)
 
 
-def implicit_solve(problem: Problem, run, run_transposed, failed_derivative: str = "nan"):
+def implicit_solve(problem: Problem, run, run_transposed, failed_derivative: str = "nan",
+                   adjoint_data=None):
     """`run(problem)` with derivatives defined implicitly.
 
     `run(problem)` returns `(out, ok)`: a `Solution` (diagnostics kept) or the
@@ -485,7 +491,9 @@ def implicit_solve(problem: Problem, run, run_transposed, failed_derivative: str
     solve with respect to the entries of a symmetric matrix is 91-97 % wrong:
     the Hessian tests in `tests/test_grad.py`). A tangent
     or transposed solve that did not converge makes the derivative NaN unless
-    `failed_derivative="keep"`.
+    `failed_derivative="keep"`. `adjoint_data(primal Solution)`, if given,
+    replaces `Problem.data` in the transposed solve (what the primal solve
+    learned about the operator, e.g. a recycled space).
     """
 
     @jax.custom_jvp
@@ -506,10 +514,13 @@ def implicit_solve(problem: Problem, run, run_transposed, failed_derivative: str
         x = solution_of(out)
         _, dA_x = jax.jvp(lambda A: A(x), (A,), (dA,))
         At = transposed(A)
+        rest_t = rest
+        if adjoint_data is not None and isinstance(out, Solution):
+            rest_t = Problem(A, b, *rest)._replace(data=adjoint_data(out))[2:]
         dx = jax.lax.custom_linear_solve(
             A, tree.sub(db, dA_x),
             lambda _, r: solution_checked(primal(r), failed_derivative),
-            lambda _, r: solution_checked(run_transposed(Problem(At, r, *rest)),
+            lambda _, r: solution_checked(run_transposed(Problem(At, r, *rest_t)),
                                            failed_derivative))
         if isinstance(out, Solution):
             dout = jax.tree_util.tree_map(jnp.zeros_like, out)._replace(x=dx)

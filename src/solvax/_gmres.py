@@ -62,6 +62,10 @@ class _OneSyncCycle(NamedTuple):
     est: _Estimate
     k: jax.Array
     anorm: jax.Array
+    # With a recycled block of `offset` rows and no preconditioner the
+    # directions are `z_i = v_i + (C - U) E[:, i]` (`_one_sync_step`), kept as
+    # the small `(offset, offset + m + 1)` matrix E instead of a basis Z.
+    E: jax.Array | None = None
 
 
 class _Outer(NamedTuple):
@@ -76,24 +80,29 @@ class _Outer(NamedTuple):
     tol: jax.Array
     anorm: jax.Array
     history: jax.Array | None  # residual norm per accepted step (if recorded)
+    space: Any = None  # the recycled pair (C, U), A U = C (`gcrot`); None: GMRES
 
 
-def _start_estimate(beta, m: int, dtype, go=True) -> _Estimate:
-    """The estimate before any column: `z = e_0`, running unless `go` is false."""
-    return _Estimate(z=jnp.zeros((m + 1,), dtype).at[0].set(1),
-                     zz=jnp.ones((), jnp.finfo(dtype).dtype), beta=beta, j=jnp.int32(0),
+def _start_estimate(beta, m: int, dtype, go=True, offset: int = 0) -> _Estimate:
+    """The estimate before any column: `z = e_offset`, the first `offset`
+    columns taken (a recycled block, see `_new_cycle`), running unless `go` is
+    false."""
+    return _Estimate(z=jnp.zeros((m + 1 + offset,), dtype).at[offset].set(1),
+                     zz=jnp.ones((), jnp.finfo(dtype).dtype), beta=beta, j=jnp.int32(offset),
                      flag=first_status([(go, RUNNING)], Status.MAX_STEPS))
 
 
-def _record(history, offset, est: _Estimate):
+def _record(history, offset, est: _Estimate, first: int = 0):
     """Write the cycle's `beta` (the true residual) at `offset` and its
-    estimates `beta / ||z[:i + 2]||` after it (one per accepted column `i`)."""
+    estimates `beta / ||z[:i + 2]||` after it (one per accepted column `i`
+    from column `first` on: the columns before it are a recycled block)."""
     if history is None:
         return None
-    m = est.z.shape[0] - 1
-    estimates = est.beta / jnp.sqrt(jnp.cumsum(jnp.abs(est.z) ** 2))[1:]
+    z = est.z[first:]
+    m = z.shape[0] - 1
+    estimates = est.beta / jnp.sqrt(jnp.cumsum(jnp.abs(z) ** 2))[1:]
     old = lax.dynamic_slice(history, (offset + 1,), (m,))
-    new = jnp.where(_indices(m) < est.j, estimates.astype(history.dtype), old)
+    new = jnp.where(_indices(m) < est.j - first, estimates.astype(history.dtype), old)
     return lax.dynamic_update_slice(history.at[offset].set(est.beta), new, (offset + 1,))
 
 
@@ -163,9 +172,9 @@ def _finalize_column(est: _Estimate, col, column: _Column, scale, tol):
     return est, accept, go
 
 
-def _least_squares(H, beta, j):
-    """`y` minimizing `||beta e_1 - H[:, :j] y||` (zero beyond `j`), by one
-    Householder QR of `[H | beta e_1]`: its last column becomes `Q^H beta e_1`.
+def _least_squares(H, beta, j, row: int = 0):
+    """`y` minimizing `||beta e_row - H[:, :j] y||` (zero beyond `j`), by one
+    Householder QR of `[H | beta e_row]`: its last column becomes `Q^H beta e_row`.
 
     Unused columns are replaced by unit vectors below the used rows, so the
     factorization has full rank and their coefficients come out zero. (One
@@ -176,7 +185,7 @@ def _least_squares(H, beta, j):
     rows, cols = np.indices((m + 1, m + 1), dtype=np.int32)
     fill = (rows == cols + 1).astype(H.dtype)  # unit vectors below the used rows
     A = jnp.where(cols < j, jnp.pad(H, ((0, 0), (0, 1))),
-                  jnp.where((rows == 0) & (cols == m), jnp.asarray(beta, H.dtype), fill))
+                  jnp.where((rows == row) & (cols == m), jnp.asarray(beta, H.dtype), fill))
     R = jnp.linalg.qr(A, mode="r")
     y = solve_triangular(R[:m, :m], R[:m, m], lower=False)
     return jnp.where(_indices(m) < j, y, 0)
@@ -190,6 +199,7 @@ class _Context(NamedTuple):
     ip: _reduce.Reduction
     tol: jax.Array
     tiny: float  # relative size of a negligible column entry (100 eps)
+    offset: int = 0  # rows of a recycled block before the Arnoldi basis (`_new_cycle`)
 
 
 def _apply(ctx: _Context, v):
@@ -238,21 +248,29 @@ def _finish_pending(cy: _OneSyncCycle, ctx: _Context, a, finite):
 
     Returns `(c, nu, the finished column, its stored old value, anorm,
     estimate, go)`. At `k = 0` no column is finished (the first step only
-    normalizes the residual): `c = 0` and the estimate stays as it was.
+    normalizes the residual): `c = 0` and the estimate stays as it was. With
+    a recycled block of `offset` rows the first step is `k = offset`, its `c`
+    the residual's (rounding-level) projections on the block, and the
+    estimate's `beta` becomes that step's `nu`, the norm of the residual the
+    cycle actually expands.
     """
     k = cy.k
+    first = k == ctx.offset
     finished = _indices(cy.H.shape[0]) < k
     c = jnp.where(finished, a, 0)
     nu = _reduce.real_sqrt(jnp.real(_get(a, k)) - jnp.sum(jnp.abs(c) ** 2))
     # Column k - 1 is stored at column k (at k = 0 the unused column 0).
     column = _get(cy.H, k, axis=1)
     finished_col = _put(column + c, k, nu)
+    if ctx.offset:  # at the first step, column offset - 1 is the block's last: final
+        finished_col = jnp.where(first, column, finished_col)
     # Columns of H represent A M on unit vectors: ||A M|| >= ||H[:, k - 1]||.
     anorm = jnp.maximum(cy.anorm, jnp.where(
-        k > 0, jnp.sqrt(jnp.sum(jnp.abs(finished_col) ** 2)), 0))
+        first, 0, jnp.sqrt(jnp.sum(jnp.abs(finished_col) ** 2))))
     est, _, go = _finalize_column(cy.est, k - 1, _Column(finished_col, nu, finite),
                                   ctx.tiny * anorm, ctx.tol)
-    first = k == 0
+    if ctx.offset:
+        est = est._replace(beta=jnp.where(first, nu.astype(est.beta.dtype), est.beta))
     est = est._replace(z=jnp.where(first, cy.est.z, est.z), zz=jnp.where(first, cy.est.zz, est.zz),
                        j=jnp.where(first, cy.est.j, est.j),
                        flag=jnp.where(first, first_status([(finite, RUNNING)], Status.NONFINITE),
@@ -295,7 +313,12 @@ def _one_sync_step(cy: _OneSyncCycle, ctx: _Context) -> _OneSyncCycle:
     Vc, Vqw = tree.basis_combine_many(cy.V, [c, qw_old])
     q = tree.scale(1.0 / nu, tree.sub(cy.u, Vc))
     u_next = tree.scale(1.0 / nu, tree.sub(tree.sub(w, Vqw), tree.scale(qk_w, q)))
-    Z = cy.Z
+    Z, E = cy.Z, cy.E
+    if E is not None:
+        # z_k - q_k = sum_i c_i (w_i - z_i) / nu, with w_i - z_i = C_i - U_i
+        # on the block and -(C - U) E[:, i] after it: one column of E.
+        offset = E.shape[0]
+        E = _put(E, k, jnp.where(go, (c[:offset] - E @ c[: E.shape[1]]) / nu_h, 0), axis=1)
     if Z is not None:
         Z = tree.basis_fill(Z, k, [tree.scale(1.0 / nu, tree.sub(
             mu, tree.basis_combine(Z, c[: cy.H.shape[0] - 1])))], go)
@@ -309,54 +332,83 @@ def _one_sync_step(cy: _OneSyncCycle, ctx: _Context) -> _OneSyncCycle:
     H = lax.dynamic_update_slice(cy.H, jnp.stack([finished_col, h_next], axis=1),
                                  (jnp.zeros_like(k), k))
     return cy._replace(V=tree.basis_fill(cy.V, k, [q, u_next], go), u=u_next, Z=Z, H=H,
-                       est=est, k=k + 1, anorm=anorm)
+                       est=est, k=k + 1, anorm=anorm, E=E)
 
 
 
-def _new_cycle(one_sync: bool, V, Z, r, beta, anorm, go, m: int, dtype):
+def _new_cycle(one_sync: bool, V, Z, r, beta, anorm, go, m: int, dtype, offset: int = 0):
     """A cycle from the residual `r`, `||r|| = beta`: the factory of both cycle types.
 
-    One-sync: `r` is the pending row 0, which the first step normalizes
-    (`c = 0`, `nu = ||r||`); CGS2 starts from `r / beta`."""
-    est = _start_estimate(beta, m, dtype, go)
+    One-sync: `r` is the pending row `offset`, which the first step
+    normalizes (`c = 0`, `nu = ||r||`); CGS2 starts from `r / beta`.
+
+    `offset > 0` (one-sync only): rows `0..offset-1` of `V` and `Z` hold a
+    recycled pair `C`, `U` with `A U = C` (`_gcrot`). They are the first
+    `offset` columns of the Arnoldi relation `A [U, Z] = [C, V] H`, already
+    final: `H` starts as the identity there, so every step orthogonalizes
+    against `C` in its one reduction and the least squares minimizes over
+    `span(U)` as well (GCRO-DR's augmented space), with no code of its own.
+    """
+    est = _start_estimate(beta, m, dtype, go, offset)
     if one_sync:
-        return _OneSyncCycle(V=tree.basis_set(V, 0, r), u=r, Z=Z,
-                             H=jnp.zeros((m + 2, m + 2), dtype), est=est, k=jnp.int32(0),
-                             anorm=anorm)
+        size = m + 2 + offset
+        H = jnp.zeros((size, size), dtype)
+        if offset:  # column i (stored at i + 1) = e_i
+            H = H + jnp.asarray(np.eye(size, k=1) * (np.arange(size) < offset)[:, None], dtype)
+        E = jnp.zeros((offset, size - 1), dtype) if offset and Z is None else None
+        return _OneSyncCycle(V=tree.basis_set(V, offset, r), u=r, Z=Z, H=H, est=est,
+                             k=jnp.int32(offset), anorm=anorm, E=E)
     v0 = tree.scale(1.0 / nonzero(beta), r)
     return _Cgs2Cycle(V=tree.basis_set(V, 0, v0), Z=Z, H=jnp.zeros((m + 1, m), dtype), est=est,
                       k=jnp.int32(0), anorm=anorm)
 
 
-def _arnoldi(A, b, *, precond, ip, m, orthogonalization):
-    """`run(r, beta, tol, anorm, go) -> (V or Z, H, estimate, anorm)`: one
-    Arnoldi cycle from `r`, `||r|| = beta`, stopping early at `tol` (or not at
-    all if `go` is false); `V or Z` are the directions that update `x`, and
-    `V` the basis."""
+def _arnoldi(A, b, *, precond, ip, m, orthogonalization, offset: int = 0):
+    """`run(r, beta, tol, anorm, go, space=None) -> (V, Z, H, estimate,
+    anorm, E)`: one Arnoldi cycle from `r`, `||r|| = beta`, stopping early at
+    `tol` (or not at all if `go` is false); `Z` (None without a
+    preconditioner) are the directions that update `x`, and `V` the basis.
+    With `offset > 0` (one-sync), `space = (C, U)` is a recycled block of
+    `offset` rows ahead of the basis (`_new_cycle`); the returned `V`, `Z`
+    and `H` include it, and without a preconditioner `E` gives the
+    directions (`_OneSyncCycle.E`; else None)."""
     dtype = tree.result_dtype(b)
     real = jnp.finfo(dtype).dtype
     one_sync = orthogonalization == "one_sync"
     basis_V = tree.basis_alloc(b, m + 2 if one_sync else m + 1)
     basis_Z = tree.basis_alloc(b, m + 1 if one_sync else m) if precond is not None else None
     step = _one_sync_step if one_sync else _cgs2_step
-    steps = m + 1 if one_sync else m  # one_sync finishes column m - 1 at step m
+    steps = offset + (m + 1 if one_sync else m)  # one_sync finishes column m - 1 at step m
 
-    def run(r, beta, tol, anorm, go):
-        ctx = _Context(A=A, precond=precond, ip=ip, tol=tol, tiny=100 * jnp.finfo(real).eps)
-        cy = _new_cycle(one_sync, basis_V, basis_Z, r, beta, anorm, go, m, dtype)
+    def run(r, beta, tol, anorm, go, space=None):
+        ctx = _Context(A=A, precond=precond, ip=ip, tol=tol, tiny=100 * jnp.finfo(real).eps,
+                       offset=offset)
+        V, Z = basis_V, basis_Z
+        if offset:
+            C, U = space
+            V = tree.basis_join([C, V])
+            Z = None if Z is None else tree.basis_join([U, Z])
+        cy = _new_cycle(one_sync, V, Z, r, beta, anorm, go, m, dtype, offset)
         cy = _method.while_loop(ip, b, lambda c: (c.est.flag == RUNNING) & (c.k < steps),
                                 functools.partial(step, ctx=ctx), cy)
         # One-sync stores H one column to the right (a step then writes the column
         # it finishes and the new one in one update); the cycle returns it unshifted.
-        H = cy.H[: m + 1, 1: m + 1] if one_sync else cy.H
-        return cy.V, cy.Z, H, cy.est, cy.anorm
+        p = m + offset
+        H = cy.H[: p + 1, 1: p + 1] if one_sync else cy.H
+        return cy.V, cy.Z, H, cy.est, cy.anorm, getattr(cy, "E", None)
 
     return run
 
 
-def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int) -> _Outer:
+def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int, renew=None) -> _Outer:
     """One restart: the true residual, then (if it is not done) one Arnoldi
-    cycle and the update of `x`."""
+    cycle and the update of `x`.
+
+    With a recycled space `st.space = (C, U)` (GCRO-DR, `gcrot`): the
+    residual's projections `C^H r` ride in the residual's reduction, `x += U
+    C^H r` and `r -= C C^H r` (exact for `A U = C`), the cycle runs with
+    `(C, U)` ahead of its basis and `renew(V, Z, H, est, space, go)` gives
+    the space for the next cycle (`_recycle.harmonic_space`)."""
     with jax.named_scope("solvax.gmres.residual"):
         # b tied to x: its norm rides in this reduction (a loop-invariant
         # product of its own would be hoisted out of the loop by XLA, into a
@@ -364,7 +416,12 @@ def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int) -> _Outer:
         b, x = jax.lax.optimization_barrier((problem.b, st.x))
         Ax = problem.A(x)
         r = tree.sub(b, Ax)
-        rr, bb, axax, xx = jnp.real(problem.ip.multi_dot([(r, r), (b, b), (Ax, Ax), (x, x)]))
+        pairs = [(r, r), (b, b), (Ax, Ax), (x, x)]
+        if st.space is None:
+            rr, bb, axax, xx = jnp.real(problem.ip.multi_dot(pairs))
+        else:
+            cr, products = problem.ip.project_many(st.space[0], [r], pairs)
+            rr, bb, axax, xx = jnp.real(products)
     beta = _reduce.real_sqrt(rr)
     tol = _driver.threshold(bb, *problem.tolerances())
     zero_b = bb == 0  # b = 0: the answer is exactly 0, whatever x0
@@ -375,11 +432,28 @@ def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int) -> _Outer:
     # the last one neither broke down nor stagnated, and restarts are left.
     go = ((tol < beta) & (beta < jnp.inf) & ~st.broke & ~stagnated
           & (st.restarts < max_restarts))
-    V, Z, H, est, anorm = arnoldi(r, beta, tol, st.anorm, go)
-    y = _least_squares(H, beta, est.j)
-    directions = Z if problem.precond is not None else V
-    update = tree.basis_combine(directions, _pad(y, directions))
-    x = tree.where(zero_b, tree.zeros_like(b), tree.add(st.x, update))
+    if st.space is None:
+        offset, space, x = 0, None, st.x
+        V, Z, H, est, anorm, _ = arnoldi(r, beta, tol, st.anorm, go)
+        y = _least_squares(H, beta, est.j)
+        directions = Z if problem.precond is not None else V
+        update = tree.basis_combine(directions, _pad(y, directions))
+    else:
+        (C, U), cr = st.space, cr[0]
+        offset = jax.tree_util.tree_leaves(C)[0].shape[0]
+        # the part of r in span(C) solved for in span(U) (x unchanged if no cycle runs)
+        x = tree.where(go, tree.add(st.x, tree.basis_combine(U, cr)), st.x)
+        r = tree.sub(r, tree.basis_combine(C, cr))
+        beta_perp = _reduce.real_sqrt(jnp.maximum(rr - jnp.sum(jnp.abs(cr) ** 2), 0))
+        V, Z, H, est, anorm, E = arnoldi(r, beta_perp, tol, st.anorm, go, st.space)
+        y = _least_squares(H, est.beta, est.j, row=offset)
+        if Z is not None:
+            update = tree.basis_combine(Z, _pad(y, Z))
+        else:  # directions [U, V + (C - U) E]: V y + (C - U) (E y - y_C)
+            Vy, D = tree.basis_combine(V, _pad(y, V)), tree.sub(C, U)
+            update = tree.add(Vy, tree.basis_combine(D, E[:, : y.shape[0]] @ y - y[:offset]))
+        space = renew(V, Z, H, est, st.space, go, E)
+    x = tree.where(zero_b, tree.zeros_like(b), tree.add(x, update))
     # After a cycle the next pass checks the true residual; with no cycle run,
     # this pass was that check and the loop ends, saying why no cycle ran.
     status = first_status([(go & (est.flag == code(Status.NONFINITE)), Status.NONFINITE),
@@ -388,10 +462,10 @@ def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int) -> _Outer:
                            (beta <= tol, Status.CONVERGED),
                            (st.broke & ~rounding_limited, Status.BREAKDOWN),
                            (stagnated | st.broke, Status.STAGNATION)], Status.MAX_STEPS)
-    return _Outer(x=x, k=st.k + est.j, restarts=st.restarts + go.astype(jnp.int32),
+    return _Outer(x=x, k=st.k + est.j - offset, restarts=st.restarts + go.astype(jnp.int32),
                   status=status, broke=est.flag == code(Status.BREAKDOWN), stalls=stalls,
                   rnorm=beta, xnorm=_reduce.real_sqrt(xx), tol=tol,
-                  anorm=anorm, history=_record(st.history, st.k, est))
+                  anorm=anorm, history=_record(st.history, st.k, est, offset), space=space)
 
 
 def _stagnated(st: _Outer, stalls, beta, bb, axax):
@@ -458,7 +532,7 @@ def arnoldi_basis(matvec, b, *, restart: int, orthogonalization: str = "cgs2", p
     """
     ip = _reduce.resolve(inner_product)
     real = jnp.finfo(tree.result_dtype(b)).dtype
-    V, _, _, est, _ = _arnoldi(matvec, b, precond=precond, ip=ip, m=restart,
+    V, _, _, est, _, _ = _arnoldi(matvec, b, precond=precond, ip=ip, m=restart,
                                orthogonalization=orthogonalization)(
         b, ip.norm(b), jnp.zeros((), real), jnp.zeros((), real), True)
     return V, est.j

@@ -105,6 +105,9 @@ class Solution(NamedTuple):
         residual_norm: the true residual norm `||b - A x||` at return.
         history: with `record_history=True`, the solver's own residual norm
             per iteration (NaN-padded to a static length); else `None`.
+        recycle: `gcrot` only: the recycled space `RecycleSpace(C, U)` for the
+            next solve of a sequence (`gcrot(..., recycle=sol.recycle)`); else
+            `None`.
     """
 
     x: PyTree
@@ -113,6 +116,7 @@ class Solution(NamedTuple):
     iterations: Any
     residual_norm: Any
     history: Any = None
+    recycle: Any = None
 
     @property
     def message(self) -> str:
@@ -156,7 +160,8 @@ def final_status(loop_status, true_ok, true_norm):
                          (loop_status == RUNNING, Status.MAX_STEPS)], loop_status)
 
 
-def make_solution(x, loop_status, iterations, true_norm, tol, history=None) -> Solution:
+def make_solution(x, loop_status, iterations, true_norm, tol, history=None,
+                  recycle=None) -> Solution:
     """Assemble a `Solution` from the true residual norm and the tolerance."""
     true_ok = jnp.isfinite(true_norm) & (true_norm <= tol)
     status = final_status(loop_status, true_ok, true_norm)
@@ -167,4 +172,5 @@ def make_solution(x, loop_status, iterations, true_norm, tol, history=None) -> S
         iterations=jnp.asarray(iterations, jnp.int32),
         residual_norm=true_norm,
         history=history,
+        recycle=recycle,
     )

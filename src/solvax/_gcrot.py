@@ -1,0 +1,180 @@
+"""GCRO-DR: restarted flexible GMRES that deflates a recycled space and carries
+it from one solve to the next (`gcrot`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _checks, _driver, _gmres, _method, _recycle
+from . import _tree as tree
+from ._driver import Outcome, Problem
+from ._recycle import RecycleSpace
+from ._solution import RUNNING, Solution, code
+
+PyTree = Any
+
+
+def _run(problem: Problem, *, m: int, k: int, max_restarts: int | None,
+         record_history: bool) -> Outcome:
+    """The GCRO-DR iteration: `_gmres._cycle` with a recycled space ahead of
+    each cycle's basis, renewed from each cycle's harmonic Ritz vectors."""
+    b = problem.b
+    real = problem.real_dtype()
+    m, max_restarts = _gmres._options(problem.size(), m, max_restarts)
+    k = min(k, m)
+    given = problem.data
+    space = (_recycle.empty(b, k) if given is None
+             else _recycle.refreshed(problem.A, problem.ip, RecycleSpace(*given)))
+    arnoldi = _gmres._arnoldi(problem.A, b, precond=problem.precond, ip=problem.ip, m=m,
+                              orthogonalization="one_sync", offset=k)
+
+    def renew(V, Z, H, est, old, go, E):
+        return _recycle.harmonic_space(problem.ip, V, Z, H, est.j, k, old, go, E)
+
+    x = tree.zeros_like(b) if problem.x0 is None else problem.x0
+    state = _gmres._Outer(x=x, k=jnp.int32(0), restarts=jnp.int32(0), status=code(RUNNING),
+                          broke=jnp.bool_(False), stalls=jnp.int32(0),
+                          rnorm=jnp.asarray(jnp.inf, real), xnorm=jnp.zeros((), real),
+                          tol=jnp.zeros((), real), anorm=jnp.zeros((), real),
+                          history=problem.history(max_restarts * m + m + 1, record_history),
+                          space=space)
+    state = _method.while_loop(problem.ip, b, lambda st: st.status == RUNNING,
+                               functools.partial(_gmres._cycle, problem=problem,
+                                                 arnoldi=arnoldi, max_restarts=max_restarts,
+                                                 renew=renew), state)
+    return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history,
+                   residual=(state.rnorm, state.tol, state.xnorm),
+                   recycle=RecycleSpace(*state.space))
+
+
+GCROT = _driver.register(_driver.Method("gcrot", _run))
+
+
+def _check_recycle(recycle, b, k: int) -> RecycleSpace:
+    """`recycle` a pair `(C, U)` of bases like `b` with `k` rows per leaf."""
+    if not (isinstance(recycle, tuple) and len(recycle) == 2):
+        raise TypeError("`recycle` must be the pair `(C, U)` of a previous solve "
+                        f"(`Solution.recycle` of `gcrot`), not {type(recycle).__name__}.")
+    structure = jax.tree_util.tree_structure(b)
+    for name, basis in zip(("C", "U"), recycle):
+        if jax.tree_util.tree_structure(basis) != structure:
+            raise ValueError(
+                f"`recycle.{name}` must have the structure of `b` ({structure}), not "
+                f"{jax.tree_util.tree_structure(basis)}: pass the space of a solve of "
+                "the same kind of system.")
+        for leaf, ref in zip(jax.tree_util.tree_leaves(basis), jax.tree_util.tree_leaves(b)):
+            if jnp.shape(leaf) != (k, *jnp.shape(ref)):
+                raise ValueError(
+                    f"`recycle.{name}` has a leaf of shape {jnp.shape(leaf)} where `b`'s leaf "
+                    f"{jnp.shape(ref)} and k = {k} need {(k, *jnp.shape(ref))}: a space from "
+                    "another grid or another `k` (pass `k=` of the solve that made it, or "
+                    "`recycle=None` to start afresh).")
+            if jnp.result_type(leaf) != jnp.result_type(ref):
+                raise TypeError(f"`recycle.{name}` has a {jnp.result_type(leaf)} leaf where "
+                                f"`b`'s is {jnp.result_type(ref)}: recycle within one "
+                                "precision.")
+    return RecycleSpace(*recycle)
+
+
+def gcrot(
+    matvec: Callable[[PyTree], PyTree],
+    b: PyTree,
+    *,
+    x0: PyTree | None = None,
+    precond: Callable[[PyTree], PyTree] | None = None,
+    m: int = 30,
+    k: int = 10,
+    recycle: RecycleSpace | tuple | None = None,
+    max_restarts: int | None = None,
+    rtol: float | None = None,
+    atol: float = 0.0,
+    record_history: bool = False,
+    inner_product=None,
+    axis_name: str | tuple[str, ...] | None = None,
+    failed_derivative: str = "nan",
+) -> Solution:
+    """GCRO-DR(m, k): restarted flexible GMRES that deflates a recycled space,
+    carried from one solve of a sequence to the next.
+
+    A recycled space is a pair `(C, U)` with `A U = C` and `C` orthonormal,
+    each a pytree like `b` with a leading axis of length `k` per leaf (every
+    leaf keeps its sharding). Each restart takes the residual's part in
+    `span(C)` exactly (`x += U C^H r`, `r -= C C^H r`, its projections
+    riding in the residual's reduction) and runs a one-sync Arnoldi cycle of
+    `m` steps with `C` ahead of its basis: every step orthogonalizes against
+    `C` and the basis in its one reduction, and the least squares minimizes
+    over `span(U) + span(Z)`. After each cycle the space becomes the `k`
+    harmonic Ritz vectors of smallest harmonic Ritz value of that augmented
+    space (the slowest modes: Parks et al. 2006); one more reduction per
+    cycle. The final space is `Solution.recycle`.
+
+    Passing it to the next solve (`recycle=sol.recycle`, a changed operator
+    and right-hand side) costs `k` matvecs and two reductions at the start:
+    `C = A U` for the new operator, orthonormalized (`U` follows). From
+    `recycle=None` the space starts empty and fills after the first cycle,
+    so a first solve already deflates across its restarts.
+
+    Derivatives are implicit, as for every solver: `jax.grad` runs one
+    `gcrot` on the transposed system, handed this solve's final space (for
+    a symmetric operator its own slow modes; otherwise it is refreshed for
+    `A^T` like any new operator), so a gradient costs fewer matvecs than a
+    cold transposed solve. The space itself is not differentiated: it
+    changes how fast a solve converges, not its solution.
+
+    Args:
+        matvec: `x -> A x` on pytrees shaped like `b`.
+        b: right-hand side, an array or any pytree of arrays.
+        x0: initial guess shaped like `b` (default zeros).
+        precond: `v -> M v`, a right preconditioner (may vary between calls).
+        m: Arnoldi steps per cycle.
+        k: size of the recycled space, `1 <= k < m`.
+        recycle: the space of a previous solve (`Solution.recycle`), or None.
+        max_restarts: cycle limit (default `ceil(10 * size(b) / m)`).
+        rtol, atol: stop when `||b - A x|| <= max(atol, rtol * ||b||)`
+            (default `rtol` as for `gmres`).
+        record_history: store the residual norm per accepted step (as `gmres`).
+        inner_product: a `solvax.InnerProduct` (or `(x, y) -> scalar`).
+        axis_name: inside `shard_map`, the mesh axis the vectors are split over.
+        failed_derivative: `"nan"` (default) or `"keep"`, as for `gmres`.
+
+    Returns:
+        A `Solution` whose `recycle` is the space for the next solve;
+        `iterations` counts accepted Arnoldi steps (the `k` matvecs that
+        refresh a given space are not among them).
+
+    Memory: per leaf `2 m + 2 k + 3` vectors (basis, directions and space).
+    Communication per Arnoldi step: one all-reduce (as `gmres`); per cycle one
+    more (the `(m + k + 1) x (m + k)` Gram matrix of the harmonic problem);
+    per solve with a given space two (its orthonormalization); no gather.
+
+    Raises:
+        TypeError, ValueError: at trace time, as `gmres`, and for `k >= m`,
+            `k < 1` or a `recycle` of another structure, shape (another grid,
+            another `k`) or dtype.
+
+    Reference: M. L. Parks, E. de Sturler, G. Mackey, D. D. Johnson, S.
+    Maiti, "Recycling Krylov subspaces for sequences of linear systems",
+    SIAM J. Sci. Comput. 28 (2006).
+    """
+    _checks.check_int("m", m, 2)
+    _checks.check_int("k", k, 1)
+    if k >= m:
+        raise ValueError(f"`k` ({k}) must be smaller than `m` ({m}): the recycled space is "
+                         "deflated from cycles of `m` new steps (e.g. m=30, k=10).")
+    if max_restarts is not None:
+        _checks.check_int("max_restarts", max_restarts, 0, _checks.INT32_MAX // m)
+    _checks.check_vector("b", b)
+    size = tree.size(b)
+    if recycle is not None:
+        k_used = min(k, min(m, size))
+        recycle = _check_recycle(recycle, b, k_used)
+    return _driver.solve(GCROT, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
+                         inner_product=inner_product, axis_name=axis_name,
+                         failed_derivative=failed_derivative, data=recycle,
+                         adjoint_data=lambda out: out.recycle, m=int(m), k=int(k),
+                         max_restarts=max_restarts, record_history=record_history)

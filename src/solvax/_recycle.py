@@ -1,0 +1,174 @@
+"""The recycled space of GCRO-DR (`gcrot`): its refresh for a new operator and
+its update from a cycle's harmonic Ritz vectors.
+
+A recycled space is a pair of bases `(C, U)` (pytrees like `b` with a leading
+axis of length `k` per leaf) with `A U = C` and `C` orthonormal. A row of both
+that is zero is an unused slot: `A 0 = 0` keeps the relation, and every
+projection on it is zero, so a solve starts from an empty space (all zeros)
+with the same code and the same shapes as from a full one.
+
+Only the `(m + k)`-sized dense problems are computed here, replicated on every
+device, with Cholesky, triangular solves and QR (every backend, `jit`, `vmap`;
+no `eig`, which runs on the CPU only). They are not differentiated: a
+derivative of a solve is implicit (`_driver.implicit_solve`: one more solve
+with the transposed operator), so it never flows through the choice of the
+space, which changes how fast a solve converges, not its solution.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.scipy.linalg import solve_triangular
+
+from . import _tree as tree
+
+PyTree = Any
+
+#: Orthogonal iterations of the harmonic problem (each applies its matrix's 8th power).
+SUBSPACE_ITERATIONS = 12
+
+
+class RecycleSpace(NamedTuple):
+    """A recycled space `A U = C`, `C^H C = I` (`Solution.recycle` of `gcrot`).
+
+    Attributes:
+        C: a pytree like `b` whose leaves have a leading axis of length `k`
+            (the basis index): an orthonormal basis of `A span(U)`.
+        U: a pytree of the same shapes with `A U = C` (for the operator of the
+            solve that returned it; the next solve recomputes `C` for its own).
+    Rows that are zero in both are unused slots.
+    """
+
+    C: PyTree
+    U: PyTree
+
+
+def empty(b: PyTree, k: int) -> RecycleSpace:
+    """An empty space of `k` slots for vectors like `b` (all zeros)."""
+    return RecycleSpace(tree.basis_alloc(b, k), tree.basis_alloc(b, k))
+
+
+def refreshed(A, ip, space: RecycleSpace) -> RecycleSpace:
+    """The space for the operator `A`: `C = A U` (`k` matvecs, one compiled
+    matvec mapped over the rows), then `C` orthonormalized with `U` following
+    (Cholesky QR twice: two reductions of a `k x k` Gram matrix)."""
+    C = lax.map(A, space.U)
+    U = space.U
+    for _ in range(2):
+        C, U = _cholesky_qr(ip, C, U)
+    return RecycleSpace(C, U)
+
+
+def _cholesky_qr(ip, C, U):
+    """`(C R^-1, U R^-1)` with `C^H C = R^H R`: one reduction. Rows whose norm
+    is negligible against the largest (unused or dependent slots) become zero
+    in both, and a factorization that fails (non-finite) empties the space."""
+    G = lax.stop_gradient(ip.gram(C, C))
+    d = jnp.real(jnp.diagonal(G))
+    keep = d > 1e3 * jnp.finfo(d.dtype).eps * jnp.max(d)
+    eye = jnp.eye(G.shape[0], dtype=G.dtype)
+    G = jnp.where(keep[:, None] & keep[None, :], G, eye)
+    L = jnp.linalg.cholesky(G)
+    Linv = solve_triangular(L, eye, lower=True)
+    # C R^-1 with R = L^H: row i of the result is sum_j conj(Linv[i, j]) C_j
+    coeffs = jnp.where(keep[:, None], jnp.conj(Linv), 0)
+    coeffs = jnp.where(jnp.all(jnp.isfinite(coeffs)), coeffs, 0)
+    return tree.basis_mix(C, coeffs), tree.basis_mix(U, coeffs)
+
+
+def harmonic_space(ip, V, Z, H, used, k: int, old: RecycleSpace, go, E=None) -> RecycleSpace:
+    """The space for the next cycle from the one that ran: its `k` harmonic
+    Ritz vectors of smallest harmonic Ritz value (GCRO-DR's choice: the
+    slowest modes of the residual polynomial).
+
+    The cycle's relation is `A Zf = W H` with `Zf = [U, Z]` its directions,
+    `W = [C, V]` its orthonormal basis and `H` the `(p + 1, p)` Hessenberg
+    matrix (identity on the recycled block), `used` columns accepted. The
+    harmonic Ritz pairs of `A` on `span(Zf)` solve `H^H H g = theta H^H
+    W^H Zf g`: one Gram matrix (one reduction per cycle), then dense work on
+    `p x p` matrices only (`_harmonic_coefficients`); the new `C = W Q`,
+    `U = Zf g R^-1` from the QR `H g = Q R` (no reduction: `W` is
+    orthonormal). Without a preconditioner `Zf = [U, V + (C - U) E]`
+    (`_gmres._OneSyncCycle.E`), so `W^H Zf` follows from `W^H U` alone, a
+    Gram matrix of `k` columns instead of `p`. The old space is kept when no
+    cycle ran (`go` false), fewer than `k` accepted directions have a
+    harmonic Ritz value (an empty space's unused slots have none), or
+    anything is non-finite.
+    """
+    p = H.shape[1]
+    offset = jax.tree_util.tree_leaves(old.C)[0].shape[0]
+    W = tree.tree_map(lambda leaf: leaf[: p + 1], V)
+
+    def update(_):
+        if E is None:
+            Zf = tree.tree_map(lambda leaf: leaf[:p], Z)
+            G = ip.gram(W, Zf)
+        else:
+            E_ = E[:, :p]
+            WU = ip.gram(W, old.U)  # (p + 1, offset)
+            # W^H (v_i + (C - U) E_i) = e_i + (W^H C - W^H U) E_i, W^H C = [I; 0]
+            WD = jnp.eye(p + 1, offset, dtype=WU.dtype) - WU
+            G = jnp.where(np.arange(p) < offset, jnp.pad(WU, ((0, 0), (0, p - offset))),
+                          jnp.eye(p + 1, p, dtype=WU.dtype) + WD @ E_)
+        Q, coeffs, ok = _harmonic_coefficients(lax.stop_gradient(H), lax.stop_gradient(G),
+                                               used, k)
+        C = tree.basis_mix(W, Q.T)
+        if E is None:
+            U = tree.basis_mix(Zf, coeffs.T)
+        else:  # Zf g = W g + (C - U) (E g - g_C)
+            D = tree.sub(old.C, old.U)
+            U = tree.add(tree.basis_mix(W, jnp.pad(coeffs, ((0, 1), (0, 0))).T),
+                         tree.basis_mix(D, (E_ @ coeffs - coeffs[:offset]).T))
+        return tree.tree_map(lambda n, o: jnp.where(ok, n, o), RecycleSpace(C, U), old)
+
+    return lax.cond(go, update, lambda _: old, None)
+
+
+def _harmonic_coefficients(H, G, used, k: int):
+    """`(Q, g R^-1, ok)` for `H^H H g = theta H^H G g` (`G = W^H Zf`), `g` the
+    `k` vectors of smallest `|theta|`, `H g = Q R`.
+
+    With `F = H^H H = L L^H` (positive definite: `H` has full column rank)
+    the pencil is the standard problem `S h = mu h`, `S = L^-1 H^H G L^-H`,
+    `mu = 1 / theta`, `g = L^-H h`; the wanted vectors span `S`'s dominant
+    invariant subspace, found by orthogonal iteration (QR and products only,
+    in real or complex arithmetic). Columns beyond `used` are replaced by unit
+    vectors in `H` and by zero in `S`: they are eigenvectors with `mu = 0`,
+    never among the `k` largest while `used` has `k` columns.
+    """
+    p = H.shape[1]
+    rows, cols = np.indices((p + 1, p), dtype=np.int32)
+    live = np.arange(p, dtype=np.int32) < used
+    Hb = jnp.where(cols < used, H, (rows == cols + 1).astype(H.dtype))
+    M = jnp.conj(Hb.T) @ jnp.where(cols < used, G, 0)
+    M = jnp.where(live[:, None] & live[None, :], M, 0)
+    L = jnp.linalg.cholesky(jnp.conj(Hb.T) @ Hb)
+    T = solve_triangular(L, M, lower=True)  # L^-1 M
+    S = jnp.conj(solve_triangular(L, jnp.conj(T.T), lower=True).T)  # L^-1 M L^-H
+    X = _dominant_subspace(S, k)
+    g = solve_triangular(jnp.conj(L.T), X, lower=False)  # L^-H X
+    Q, R = jnp.linalg.qr(Hb @ g)
+    coeffs = jnp.conj(solve_triangular(jnp.conj(R.T), jnp.conj(g.T), lower=True).T)  # g R^-1
+    # at least k live directions with mu != 0 (an unused slot's column of M is 0)
+    enough = jnp.sum(live & (jnp.sum(jnp.abs(M), axis=0) > 0)) >= k
+    ok = enough & jnp.all(jnp.isfinite(Q)) & jnp.all(jnp.isfinite(coeffs))
+    return Q, coeffs, ok
+
+
+def _dominant_subspace(S, k: int):
+    """An orthonormal basis of the invariant subspace of `S` for its `k`
+    eigenvalues of largest modulus: orthogonal iteration with `S^8`
+    (normalized at each squaring), from a fixed generic start."""
+    P = S / jnp.maximum(jnp.linalg.norm(S), jnp.finfo(jnp.real(S).dtype).tiny)
+    for _ in range(3):
+        P = P @ P
+        P = P / jnp.maximum(jnp.linalg.norm(P), jnp.finfo(jnp.real(P).dtype).tiny)
+    start = np.random.default_rng(0).standard_normal((S.shape[0], k))
+    X = jnp.linalg.qr(jnp.asarray(start, S.dtype))[0]
+    X = lax.fori_loop(0, SUBSPACE_ITERATIONS, lambda _, X: jnp.linalg.qr(P @ X)[0], X)
+    return jnp.linalg.qr(S @ X)[0]
