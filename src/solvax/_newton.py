@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _checks, _reduce
+from . import _checks, _recycle, _reduce
 from . import _tree as tree
 from ._bicgstab import bicgstab
 from ._cg import pcg
@@ -29,6 +29,7 @@ from ._driver import (
     solution_checked,
     solved_ok,
 )
+from ._gcrot import gcrot
 from ._gmres import gmres
 from ._idrs import idrs
 from ._minres import minres
@@ -38,7 +39,7 @@ PyTree = Any
 
 #: The inner solvers by name (`solver=`).
 LINEAR_SOLVERS = {"gmres": gmres, "bicgstab": bicgstab, "idrs": idrs, "pcg": pcg,
-                  "minres": minres}
+                  "minres": minres, "gcrot": gcrot}
 EISENSTAT_WALKER = "eisenstat_walker"
 #: Eisenstat–Walker choice 2, `eta_k = GAMMA (||F_k|| / ||F_k-1||)^2`, at most ETA_MAX
 #: (the first step's forcing term), with Kelley's safeguards (`_forcing`).
@@ -47,7 +48,7 @@ GAMMA, ETA_MAX = 0.9, 0.9
 ARMIJO = 1e-4
 #: The options of an inner solver that `newton_krylov` sets itself.
 _RESERVED = ("x0", "precond", "rtol", "atol", "max_steps", "max_restarts", "inner_product",
-             "axis_name", "failed_derivative", "record_history")
+             "axis_name", "failed_derivative", "record_history", "recycle")
 
 
 _MESSAGES = {
@@ -122,6 +123,7 @@ class _State(NamedTuple):
     linear_status: jax.Array
     history: jax.Array
     M: PyTree  # the preconditioner carried between refreshes (`refresh > 1`), else None
+    recycle: PyTree = None  # solver="gcrot": the recycled space carried between steps
 
 
 class _Trial(NamedTuple):
@@ -132,14 +134,20 @@ class _Trial(NamedTuple):
     ok: jax.Array  # accepted
 
 
-def _linear(opt: _Options, A, rhs, M, rtol, ip, capped=True):
+def _linear(opt: _Options, A, rhs, M, rtol, ip, capped=True, recycle=None):
     """The inner solve `A d = rhs` (a `Solution`); `capped`: at most
-    `max_inner` iterations (GMRES: cycles of `min(restart, max_inner)` steps)."""
+    `max_inner` iterations (GMRES, GCRO-DR: cycles of `min(restart,
+    max_inner)` steps); `recycle`: gcrot's space from the last step."""
     options = dict(opt.solver_options)
+    if recycle is not None:
+        options["recycle"] = recycle
     if capped and opt.max_inner is not None:
-        if opt.solver == "gmres":
-            restart = min(options.get("restart", 30), opt.max_inner)
-            options.update(restart=restart, max_restarts=-(-opt.max_inner // restart))
+        if opt.solver in ("gmres", "gcrot"):
+            key = "restart" if opt.solver == "gmres" else "m"
+            restart = min(options.get(key, 30), opt.max_inner)
+            if opt.solver == "gcrot":
+                restart = max(restart, options.get("k", 10) + 1)
+            options.update({key: restart, "max_restarts": -(-opt.max_inner // restart)})
         else:
             options["max_steps"] = opt.max_inner
     product = ip if isinstance(ip, _reduce.InnerProduct) else ip.fn
@@ -215,7 +223,7 @@ def _step(opt: _Options, F, pre, ip, tol, st: _State) -> _State:
     M, carried = _preconditioner(opt, pre, st)
     eta = _forcing(opt, st, tol)
     with jax.named_scope("solvax.newton_krylov.linear_solve"):
-        sol = _linear(opt, J, tree.scale(-1, Fu), M, eta, ip)
+        sol = _linear(opt, J, tree.scale(-1, Fu), M, eta, ip, recycle=st.recycle)
     unusable = (sol.status == code(Status.NONFINITE)) | (
         sol.status == code(Status.INVALID_TOLERANCE))
     failed = unusable | (sol.status == code(Status.BREAKDOWN)) | (
@@ -234,7 +242,18 @@ def _step(opt: _Options, F, pre, ip, tol, st: _State) -> _State:
     return _State(u=tree.where(accepted, trial.u, st.u), fnorm=fnorm,
                   fprev=jnp.where(accepted, st.fnorm, st.fprev), eta=eta, k=k, status=status,
                   linear_iterations=st.linear_iterations + sol.iterations,
-                  linear_status=sol.status, history=st.history.at[k].set(fnorm), M=carried)
+                  linear_status=sol.status, history=st.history.at[k].set(fnorm), M=carried,
+                  recycle=sol.recycle)
+
+
+def _first_space(opt: _Options, u0):
+    """solver="gcrot": an empty recycled space for the first Newton step (the
+    steps then hand theirs on), of the size the inner solve makes."""
+    if opt.solver != "gcrot":
+        return None
+    options = dict(opt.solver_options)
+    m = min(options.get("m", 30), tree.size(u0))
+    return _recycle.empty(u0, min(options.get("k", 10), m))
 
 
 def _iterate(opt: _Options, F: Closed, u0, rest) -> NewtonSolution:
@@ -254,7 +273,7 @@ def _iterate(opt: _Options, F: Closed, u0, rest) -> NewtonSolution:
                    status=status, linear_iterations=jnp.int32(0),
                    linear_status=code(Status.CONVERGED),
                    history=jnp.full((opt.max_steps + 1,), jnp.nan, real).at[0].set(f0),
-                   M=carried)
+                   M=carried, recycle=_first_space(opt, u0))
     state = lax.while_loop(lambda st: st.status == RUNNING,
                            lambda st: _step(opt, F, pre, ip, tol, st), state)
     return NewtonSolution(u=state.u, status=state.status,
@@ -354,9 +373,10 @@ def newton_krylov(
             may close over (differentiable) parameters.
         u0: the starting point, a pytree of float arrays (leaves keep their
             sharding, as in the linear solvers).
-        solver: the inner Krylov method: `"gmres"` (default), `"bicgstab"`,
-            `"idrs"`, `"pcg"` or `"minres"` (the last two for symmetric
-            Jacobians).
+        solver: the inner Krylov method: `"bicgstab"` (default), `"gmres"`,
+            `"idrs"`, `"gcrot"` (GCRO-DR; its recycled space is handed from
+            each Newton step's solve to the next), `"pcg"` or `"minres"`
+            (the last two for symmetric Jacobians).
         solver_options: further options of that solver (e.g. `{"restart":
             20}` for GMRES); the tolerances, limits, preconditioner and inner
             product are set here.
