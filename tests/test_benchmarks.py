@@ -104,6 +104,19 @@ def test_benchmark_peers_then_multigrid_small(tmp_path):
     check_benchmark_multigrid_small(tmp_path)
 
 
+def test_benchmark_recycling_small(tmp_path):
+    path = tmp_path / "recycling.json"
+    run("benchmark_recycling.py", "--small", "--json", str(path))
+    data = json.loads(path.read_text())
+    rows = data["sequence"]["rows"]
+    assert set(rows) >= {"gmres(30)", "gcrot(30,10) cold", "gcrot(30,10) recycled"}
+    for row in [*rows.values(), *data["symmetric"]["rows"].values()]:
+        assert len(row["per_system"]) == data["sequence"]["steps"]
+        assert row["matvecs"] == sum(row["per_system"]) > 0
+    assert data["newton"]["inner_ratio"] == (data["newton"]["gcrot"]["inner"]
+                                             / data["newton"]["bicgstab"]["inner"])
+
+
 def test_benchmark_newton_small(tmp_path):
     path = tmp_path / "newton.json"
     run("benchmark_newton.py", "--small", "--json", str(path))
