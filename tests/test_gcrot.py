@@ -129,10 +129,6 @@ def test_pytrees_vmap_and_jit():
     assert bool(jnp.all(out.converged)) and out.recycle.C.shape == (2, 4, N, N)
 
 
-def _sharded_counts(report):
-    return report.per_step, report.loop_count(report.step_loop, "all-reduce")
-
-
 @pytest.mark.parametrize("mode", ["jit", "shard_map"])
 def test_one_all_reduce_per_arnoldi_step_on_a_mesh(mode):
     """Per Arnoldi step one all-reduce (the projections on `[C, V]`), per

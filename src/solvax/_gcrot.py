@@ -3,53 +3,51 @@ it from one solve to the next (`gcrot`)."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from . import _checks, _driver, _gmres, _method, _recycle
+from . import _checks, _driver, _gmres, _recycle
 from . import _tree as tree
 from ._driver import Outcome, Problem
 from ._recycle import RecycleSpace
-from ._solution import RUNNING, Solution, code
+from ._solution import Solution
 
 PyTree = Any
 
 
+#: `gcrot`'s default cycle length and space size (`newton_krylov` sizes its
+#: first, empty space with them).
+M, K = 30, 10
+
+
+def space_size(size: int, m: int = M, k: int = K) -> int:
+    """The rows of the space a solve of `size` unknowns makes: `k`, at most
+    the cycle length `min(m, size)`."""
+    return min(k, m, size)
+
+
 def _run(problem: Problem, *, m: int, k: int, max_restarts: int | None,
          record_history: bool) -> Outcome:
-    """The GCRO-DR iteration: `_gmres._cycle` with a recycled space ahead of
-    each cycle's basis, renewed from each cycle's harmonic Ritz vectors."""
+    """The GCRO-DR iteration: `_gmres.restarted` with a recycled space ahead
+    of each cycle's basis, renewed from each cycle's harmonic Ritz vectors."""
     b = problem.b
-    real = problem.real_dtype()
+    k = space_size(problem.size(), m, k)
     m, max_restarts = _gmres._options(problem.size(), m, max_restarts)
-    k = min(k, m)
     given = problem.data
     space = (_recycle.empty(b, k) if given is None
              else _recycle.refreshed(problem.A, problem.ip, RecycleSpace(*given)))
     arnoldi = _gmres._arnoldi(problem.A, b, precond=problem.precond, ip=problem.ip, m=m,
                               orthogonalization="one_sync", offset=k)
 
-    def renew(V, Z, H, est, old, go, E):
-        return _recycle.harmonic_space(problem.ip, V, Z, H, est.j, k, old, go, E)
+    def renew(V, Z, H, est, old, go, E, D):
+        return _recycle.harmonic_space(problem.ip, V, Z, H, est.j, k, old, go, E, D)
 
-    x = tree.zeros_like(b) if problem.x0 is None else problem.x0
-    state = _gmres._Outer(x=x, k=jnp.int32(0), restarts=jnp.int32(0), status=code(RUNNING),
-                          broke=jnp.bool_(False), stalls=jnp.int32(0),
-                          rnorm=jnp.asarray(jnp.inf, real), xnorm=jnp.zeros((), real),
-                          tol=jnp.zeros((), real), anorm=jnp.zeros((), real),
-                          history=problem.history(max_restarts * m + m + 1, record_history),
-                          space=space)
-    state = _method.while_loop(problem.ip, b, lambda st: st.status == RUNNING,
-                               functools.partial(_gmres._cycle, problem=problem,
-                                                 arnoldi=arnoldi, max_restarts=max_restarts,
-                                                 renew=renew), state)
-    return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history,
-                   residual=(state.rnorm, state.tol, state.xnorm),
-                   recycle=RecycleSpace(*state.space))
+    outcome = _gmres.restarted(problem, arnoldi, m=m, max_restarts=max_restarts,
+                               record_history=record_history, space=space, renew=renew)
+    return outcome._replace(recycle=RecycleSpace(*outcome.recycle))
 
 
 GCROT = _driver.register(_driver.Method("gcrot", _run))
@@ -87,8 +85,8 @@ def gcrot(
     *,
     x0: PyTree | None = None,
     precond: Callable[[PyTree], PyTree] | None = None,
-    m: int = 30,
-    k: int = 10,
+    m: int = M,
+    k: int = K,
     recycle: RecycleSpace | tuple | None = None,
     max_restarts: int | None = None,
     rtol: float | None = None,
@@ -179,10 +177,8 @@ def gcrot(
         _checks.check_int("max_restarts", max_restarts, 0, _checks.INT32_MAX // m)
     adjoint_recycle = _checks.check_flag("adjoint_recycle", adjoint_recycle)
     _checks.check_vector("b", b)
-    size = tree.size(b)
     if recycle is not None:
-        k_used = min(k, min(m, size))
-        recycle = _check_recycle(recycle, b, k_used)
+        recycle = _check_recycle(recycle, b, space_size(tree.size(b), m, k))
     return _driver.solve(GCROT, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, data=recycle,

@@ -395,7 +395,7 @@ def _arnoldi(A, b, *, precond, ip, m, orthogonalization, offset: int = 0):
         # it finishes and the new one in one update); the cycle returns it unshifted.
         p = m + offset
         H = cy.H[: p + 1, 1: p + 1] if one_sync else cy.H
-        return cy.V, cy.Z, H, cy.est, cy.anorm, getattr(cy, "E", None)
+        return cy.V, cy.Z, H, cy.est, cy.anorm, cy.E if one_sync else None
 
     return run
 
@@ -407,8 +407,9 @@ def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int, renew=None)
     With a recycled space `st.space = (C, U)` (GCRO-DR, `gcrot`): the
     residual's projections `C^H r` ride in the residual's reduction, `x += U
     C^H r` and `r -= C C^H r` (exact for `A U = C`), the cycle runs with
-    `(C, U)` ahead of its basis and `renew(V, Z, H, est, space, go)` gives
-    the space for the next cycle (`_recycle.harmonic_space`)."""
+    `(C, U)` ahead of its basis and `renew(V, Z, H, est, space, go, E, D)`
+    gives the space for the next cycle (`_recycle.harmonic_space`; without
+    a preconditioner the directions are `V + D E`, `D = C - U`)."""
     with jax.named_scope("solvax.gmres.residual"):
         # b tied to x: its norm rides in this reduction (a loop-invariant
         # product of its own would be hoisted out of the loop by XLA, into a
@@ -447,12 +448,14 @@ def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int, renew=None)
         beta_perp = _reduce.real_sqrt(jnp.maximum(rr - jnp.sum(jnp.abs(cr) ** 2), 0))
         V, Z, H, est, anorm, E = arnoldi(r, beta_perp, tol, st.anorm, go, st.space)
         y = _least_squares(H, est.beta, est.j, row=offset)
+        D = None
         if Z is not None:
             update = tree.basis_combine(Z, _pad(y, Z))
-        else:  # directions [U, V + (C - U) E]: V y + (C - U) (E y - y_C)
-            Vy, D = tree.basis_combine(V, _pad(y, V)), tree.sub(C, U)
-            update = tree.add(Vy, tree.basis_combine(D, E[:, : y.shape[0]] @ y - y[:offset]))
-        space = renew(V, Z, H, est, st.space, go, E)
+        else:  # directions [U, V + D E], D = C - U: V y + D (E y - y_C)
+            D = tree.sub(C, U)
+            update = tree.add(tree.basis_combine(V, _pad(y, V)),
+                              tree.basis_combine(D, E[:, : y.shape[0]] @ y - y[:offset]))
+        space = renew(V, Z, H, est, st.space, go, E, D)
     x = tree.where(zero_b, tree.zeros_like(b), tree.add(x, update))
     # After a cycle the next pass checks the true residual; with no cycle run,
     # this pass was that check and the loop ends, saying why no cycle ran.
@@ -495,28 +498,37 @@ def _options(size: int, restart: int, max_restarts: int | None) -> tuple[int, in
     return restart, max_restarts
 
 
-def _run(problem: Problem, *, restart: int, max_restarts: int | None, orthogonalization: str,
-         record_history: bool) -> Outcome:
-    """The FGMRES iteration (not differentiated itself; see `gmres`)."""
-    b = problem.b
+def restarted(problem: Problem, arnoldi, *, m: int, max_restarts: int, record_history: bool,
+              space=None, renew=None) -> Outcome:
+    """The restart loop of `gmres` and `gcrot` (with a recycled `space` and
+    its `renew`, see `_cycle`); `Outcome.recycle` is the final space."""
     real = problem.real_dtype()
-    m, max_restarts = _options(problem.size(), restart, max_restarts)
-    arnoldi = _arnoldi(problem.A, b, precond=problem.precond, ip=problem.ip, m=m,
-                       orthogonalization=orthogonalization)
-    x = tree.zeros_like(b) if problem.x0 is None else problem.x0
+    x = tree.zeros_like(problem.b) if problem.x0 is None else problem.x0
     state = _Outer(x=x, k=jnp.int32(0), restarts=jnp.int32(0), status=code(RUNNING),
                    broke=jnp.bool_(False), stalls=jnp.int32(0),
                    rnorm=jnp.asarray(jnp.inf, real), xnorm=jnp.zeros((), real),
                    tol=jnp.zeros((), real), anorm=jnp.zeros((), real),
-                   history=problem.history(max_restarts * m + m + 1, record_history))
+                   history=problem.history(max_restarts * m + m + 1, record_history),
+                   space=space)
     # Each pass starts with the true residual; a pass with nothing left to do
     # (converged, broken down or out of restarts) ends the loop after that check,
     # so the driver needs no residual of its own.
-    state = _method.while_loop(problem.ip, b, lambda st: st.status == RUNNING,
+    state = _method.while_loop(problem.ip, problem.b, lambda st: st.status == RUNNING,
                                functools.partial(_cycle, problem=problem, arnoldi=arnoldi,
-                                                 max_restarts=max_restarts), state)
+                                                 max_restarts=max_restarts, renew=renew),
+                               state)
     return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history,
-                   residual=(state.rnorm, state.tol, state.xnorm))
+                   residual=(state.rnorm, state.tol, state.xnorm), recycle=state.space)
+
+
+def _run(problem: Problem, *, restart: int, max_restarts: int | None, orthogonalization: str,
+         record_history: bool) -> Outcome:
+    """The FGMRES iteration (not differentiated itself; see `gmres`)."""
+    m, max_restarts = _options(problem.size(), restart, max_restarts)
+    arnoldi = _arnoldi(problem.A, problem.b, precond=problem.precond, ip=problem.ip, m=m,
+                       orthogonalization=orthogonalization)
+    return restarted(problem, arnoldi, m=m, max_restarts=max_restarts,
+                     record_history=record_history)
 
 
 GMRES = _driver.register(_driver.Method("gmres", _run))

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _checks, _recycle, _reduce
+from . import _checks, _gcrot, _recycle, _reduce
 from . import _tree as tree
 from ._bicgstab import bicgstab
 from ._cg import pcg
@@ -146,7 +146,7 @@ def _linear(opt: _Options, A, rhs, M, rtol, ip, capped=True, recycle=None):
             key = "restart" if opt.solver == "gmres" else "m"
             restart = min(options.get(key, 30), opt.max_inner)
             if opt.solver == "gcrot":
-                restart = max(restart, options.get("k", 10) + 1)
+                restart = max(restart, options.get("k", _gcrot.K) + 1)
             options.update({key: restart, "max_restarts": -(-opt.max_inner // restart)})
         else:
             options["max_steps"] = opt.max_inner
@@ -252,8 +252,8 @@ def _first_space(opt: _Options, u0):
     if opt.solver != "gcrot":
         return None
     options = dict(opt.solver_options)
-    m = min(options.get("m", 30), tree.size(u0))
-    return _recycle.empty(u0, min(options.get("k", 10), m))
+    return _recycle.empty(u0, _gcrot.space_size(tree.size(u0), options.get("m", _gcrot.M),
+                                                options.get("k", _gcrot.K)))
 
 
 def _iterate(opt: _Options, F: Closed, u0, rest) -> NewtonSolution:

@@ -81,7 +81,8 @@ def _cholesky_qr(ip, C, U):
     return tree.basis_mix(C, coeffs), tree.basis_mix(U, coeffs)
 
 
-def harmonic_space(ip, V, Z, H, used, k: int, old: RecycleSpace, go, E=None) -> RecycleSpace:
+def harmonic_space(ip, V, Z, H, used, k: int, old: RecycleSpace, go, E=None,
+                   D=None) -> RecycleSpace:
     """The space for the next cycle from the one that ran: its `k` harmonic
     Ritz vectors of smallest harmonic Ritz value (GCRO-DR's choice: the
     slowest modes of the residual polynomial).
@@ -93,7 +94,7 @@ def harmonic_space(ip, V, Z, H, used, k: int, old: RecycleSpace, go, E=None) -> 
     W^H Zf g`: one Gram matrix (one reduction per cycle), then dense work on
     `p x p` matrices only (`_harmonic_coefficients`); the new `C = W Q`,
     `U = Zf g R^-1` from the QR `H g = Q R` (no reduction: `W` is
-    orthonormal). Without a preconditioner `Zf = [U, V + (C - U) E]`
+    orthonormal). Without a preconditioner `Zf = [U, V + D E]`, `D = C - U`
     (`_gmres._OneSyncCycle.E`), so `W^H Zf` follows from `W^H U` alone, a
     Gram matrix of `k` columns instead of `p`. The old space is kept when no
     cycle ran (`go` false), fewer than `k` accepted directions have a
@@ -120,8 +121,7 @@ def harmonic_space(ip, V, Z, H, used, k: int, old: RecycleSpace, go, E=None) -> 
         C = tree.basis_mix(W, Q.T)
         if E is None:
             U = tree.basis_mix(Zf, coeffs.T)
-        else:  # Zf g = W g + (C - U) (E g - g_C)
-            D = tree.sub(old.C, old.U)
+        else:  # Zf g = W g + D (E g - g_C)
             U = tree.add(tree.basis_mix(W, jnp.pad(coeffs, ((0, 1), (0, 0))).T),
                          tree.basis_mix(D, (E_ @ coeffs - coeffs[:offset]).T))
         return tree.tree_map(lambda n, o: jnp.where(ok, n, o), RecycleSpace(C, U), old)
