@@ -199,6 +199,14 @@ SOLVERS = {s.name: s for s in [
     # loop: 3 in loops, 1 per Arnoldi step); the adjoint refreshes the forward
     # space for A^T (2 more); from recycle=None no refresh of a given space
     Solver("gcrot", functools.partial(sx.gcrot, m=12, k=4), "gcrot", True, (4, 10, 3)),
+    # iterative refinement around GMRES (nonsymmetric operators), corrections in
+    # float32: the scale and the setup's [||b||^2, ||r||^2, ||x||^2]; per
+    # refinement step the step's [||r||^2, ||x||^2] and the inner GMRES's
+    # scale (the refinement loop), its restart (the restart loop) and one per
+    # Arnoldi step (the innermost loop: 1 executed per step)
+    Solver("iterative_refinement", functools.partial(
+        sx.iterative_refinement, solver=functools.partial(sx.gmres, restart=20)),
+        "iterative_refinement", True, (6, 12, 4)),
     # the scale, the setup's ||r||^2 (the first rho), and two per step
     Solver("bicgstab", sx.bicgstab, "bicgstab", True, (4, 8, 2)),
     # ... and one per step
@@ -228,6 +236,13 @@ WITH_WRAPPERS = REPRESENTATIVE | {"pcg_linear_solve", "linear_solve_gmres"}
 GENERAL_SOLVERS = [name for name, s in SOLVERS.items() if s.nonsymmetric]
 # Methods limited by restarts (`max_restarts`) rather than steps (`max_steps`).
 RESTARTED = ("gmres", "gcrot")
+
+
+def step_limit(name: str, steps: int) -> dict:
+    """The option that limits a registered solver's outer loop to `steps`."""
+    option = {"gmres": "max_restarts", "gcrot": "max_restarts",
+              "iterative_refinement": "max_refinements"}.get(SOLVERS[name].method, "max_steps")
+    return {option: steps}
 
 
 def tolerance(dtype, name: str = "") -> tuple[float, float]:

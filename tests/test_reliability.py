@@ -14,7 +14,6 @@ import pytest
 from helpers import (
     DISTINCT,
     REPRESENTATIVE,
-    RESTARTED,
     SOLVERS,
     halo_laplacian,
     mesh,
@@ -22,6 +21,7 @@ from helpers import (
     random_spd,
     rel_err,
     rhs,
+    step_limit,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -142,9 +142,7 @@ def test_a_finite_derivative_is_the_dense_derivative(name, problem, seed, max_st
     if problem == "nonsymmetric" and not SOLVERS[name].nonsymmetric:
         problem = "spd"
     A = jnp.asarray(PROBLEMS[problem](np.float64))
-    limit = {} if max_steps is None else (
-        dict(max_restarts=max_steps) if SOLVERS[name].method in RESTARTED
-        else dict(max_steps=max_steps))
+    limit = {} if max_steps is None else step_limit(name, max_steps)
     solve = SOLVERS[name].solve
     weights = jnp.asarray(np.random.default_rng(seed).standard_normal(N))
 

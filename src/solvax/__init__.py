@@ -37,12 +37,14 @@ from ._partitioned import (
     partitioned_block_tridiagonal_solve as partitioned_block_tridiagonal_solve,
 )
 from ._partitioned import partitioned_tridiagonal_solve as partitioned_tridiagonal_solve
+from ._precision import mixed_precision as mixed_precision
 from ._precond import block_jacobi as block_jacobi
 from ._precond import chebyshev as chebyshev
 from ._precond import estimate_spectrum as estimate_spectrum
 from ._precond import jacobi as jacobi
 from ._recycle import RecycleSpace as RecycleSpace
 from ._reduce import InnerProduct as InnerProduct
+from ._refinement import iterative_refinement as iterative_refinement
 from ._solution import Solution as Solution
 from ._solution import Status as Status
 from ._stationary import multigrid_solve as multigrid_solve
@@ -77,9 +79,11 @@ __all__ = [
     "gcrot",
     "gmres",
     "idrs",
+    "iterative_refinement",
     "jacobi",
     "linear_solve",
     "minres",
+    "mixed_precision",
     "Multigrid",
     "multigrid",
     "multigrid_solve",
