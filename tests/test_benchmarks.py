@@ -208,3 +208,14 @@ def check_benchmark_multigrid_small(tmp_path):
     assert timing["mg_residual"] < 1e-8 and timing["mg_iterations"] < timing["cg_iterations"]
     assert timing["mg_f32_cycle_residual"] < 1e-8
     assert timing["mg_f32_cycle_iterations"] <= timing["mg_iterations"] + 1
+
+
+def test_benchmark_precision_small(tmp_path):
+    path = tmp_path / "precision.json"
+    run("benchmark_precision.py", "--small", "--json", str(path))
+    data = json.loads(path.read_text())
+    for row in data["poisson"]["rows"].values():
+        assert row["status"] == "CONVERGED" and row["true_relative_residual"] <= 1e-12, row
+    for row in data["kappa"]:
+        # converged exactly where the inner precision resolves the system
+        assert (row["status"] == "CONVERGED") == row["resolvable"], row

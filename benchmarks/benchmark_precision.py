@@ -1,0 +1,105 @@
+"""Mixed precision: float64 answers from float32 work.
+
+    python benchmarks/benchmark_precision.py [--json PATH] [--small] [--only TEXT]
+
+One device. Parts (`--only`):
+
+- `poisson`: Poisson 1024^2 (cell-centred, Dirichlet), multigrid-preconditioned,
+  to a float64 true relative residual of 1e-12, set-up included (medians of
+  7 warm runs of one compiled program each): all-float64 MG-CG; float64 CG
+  with the float32 cycle (`multigrid(A, dtype=jnp.float32)`); and
+  `iterative_refinement` with float32 MG-CG corrections at inner tolerances
+  1e-3, 1e-4 (the default) and 1e-6.
+- `kappa`: diagonal-plus-Laplacian operators of condition number 1e2 to
+  1e12 (n = 256), refinement with float32 GMRES corrections to 1e-12: the
+  status, steps and true residual beside the bound kappa * 6e-8 < 0.5.
+
+`--small` runs 64^2 and n = 64 (a smoke test).
+"""
+
+import functools
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from problems import median_time, parse_args, run_parts  # noqa: E402
+
+import solvax as sx  # noqa: E402
+
+RTOL = 1e-12
+
+
+def _row(fn, k, b, repeats):
+    sol = jax.jit(fn)(k, b)
+    A = sx.diffusion_operator(k)
+    true = float(jnp.linalg.norm(b - A(sol.x)) / jnp.linalg.norm(b))
+    return dict(status=sx.Status(int(sol.status)).name, iterations=int(sol.iterations),
+                true_relative_residual=true,
+                time_s=median_time(lambda k, b: fn(k, b).x, k, b, repeats=repeats))
+
+
+def poisson(small):
+    n = 64 if small else 1024
+    k = jnp.ones((n, n))
+    b = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)))
+
+    def mg_cg(k, b, dtype=None):
+        A = sx.diffusion_operator(k)
+        return sx.pcg(A, b, precond=sx.multigrid(A, dtype=dtype), rtol=RTOL, atol=0.0)
+
+    def refinement(k, b, inner_rtol):
+        A = sx.diffusion_operator(k)
+        return sx.iterative_refinement(A, b, precond=sx.multigrid(A, dtype=jnp.float32),
+                                       rtol=RTOL, inner_rtol=inner_rtol)
+
+    cases = {"float64 MG-CG": mg_cg,
+             "float64 CG, float32 cycle": functools.partial(mg_cg, dtype=jnp.float32)}
+    for inner in (1e-3, 1e-4, 1e-6):
+        cases[f"refinement, float32 MG-CG to {inner:.0e}"] = functools.partial(
+            refinement, inner_rtol=inner)
+    rows = {}
+    for name, fn in cases.items():
+        rows[name] = _row(fn, k, b, repeats=7)
+        base = rows["float64 MG-CG"]["time_s"]
+        rows[name]["vs_float64"] = rows[name]["time_s"] / base
+        r = rows[name]
+        print(f"Poisson {n}^2 {name:40s} {r['time_s']:.3f} s ({r['vs_float64']:.2f}x)  "
+              f"{r['iterations']:3d} its  {r['status']}  true {r['true_relative_residual']:.1e}",
+              flush=True)
+    return dict(n=n, rtol=RTOL, rows=rows)
+
+
+def kappa(small):
+    n = 64 if small else 256
+    rng = np.random.default_rng(1)
+    b = jnp.asarray(rng.standard_normal(n))
+    rows = []
+    for exponent in range(2, 13, 2):
+        d = jnp.logspace(0, exponent, n)
+
+        def A(x, d=d):
+            lap = 2 * x - jnp.pad(x[1:], (0, 1)) - jnp.pad(x[:-1], (1, 0))
+            return d * x + 1e-3 * lap
+
+        sol = sx.iterative_refinement(A, b, solver=functools.partial(sx.gmres, restart=n),
+                                      rtol=RTOL)
+        true = float(jnp.linalg.norm(b - A(sol.x)) / jnp.linalg.norm(b))
+        row = dict(kappa=10.0 ** exponent, resolvable=10.0 ** exponent * 6e-8 < 0.5,
+                   status=sx.Status(int(sol.status)).name, steps=int(sol.iterations),
+                   true_relative_residual=true)
+        rows.append(row)
+        print(f"kappa 1e{exponent:<2d} (kappa u {'<' if row['resolvable'] else '>='} 0.5): "
+              f"{row['status']:11s} {row['steps']:2d} steps, true {true:.1e}", flush=True)
+    return rows
+
+
+def main():
+    args = parse_args(__doc__)
+    run_parts(args, [("poisson", poisson), ("kappa", kappa)], {}, args.small)
+
+
+if __name__ == "__main__":
+    main()
