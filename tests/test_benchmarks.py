@@ -216,6 +216,10 @@ def test_benchmark_precision_small(tmp_path):
     data = json.loads(path.read_text())
     for row in data["poisson"]["rows"].values():
         assert row["status"] == "CONVERGED" and row["true_relative_residual"] <= 1e-12, row
+    storage = data["storage"]["rows"]
+    for row in storage.values():
+        assert row["status"] == "CONVERGED" and row["true_relative_residual"] <= 1e-8, row
+    assert abs(storage["bfloat16"]["iterations"] - storage["float32"]["iterations"]) <= 1
     for row in data["kappa"]:
         # converged exactly where the inner precision resolves the system
         assert (row["status"] == "CONVERGED") == row["resolvable"], row

@@ -56,7 +56,12 @@ def test_python_m_solvax_names_the_cases_for_an_unknown_one():
 def test_python_m_solvax_prints_the_live_table(tmp_path):
     """The whole table, as the README's main command prints it."""
     _, rows = _main_job(tmp_path)
-    assert len(rows) >= 42  # every row of the table (42 today)
+    assert len(rows) >= 46  # every row of the table (46 today)
+    # recycling and refinement: one synchronization per Arnoldi step
+    for case in ("GCRO-DR gcrot(m=16, k=4) (recycled space)",
+                 "shard_map: gcrot(m=16, k=4) (axis_name)",
+                 "iterative_refinement, float32 FGMRES(16) corrections"):
+        assert rows[case]["per_step"] == 1 and rows[case]["all_gathers"] == 0, rows[case]
     _check_pcg_rows(rows)
     # a preconditioner adds no synchronization: Jacobi rows as the plain ones
     for method in ("", ", single_reduction", ", pipelined", ", s_step s=4"):

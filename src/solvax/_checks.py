@@ -45,7 +45,9 @@ def check_precision(name: str, tree: PyTree) -> None:
             raise TypeError(
                 f"`{name}` has a {jnp.dtype(leaf.dtype).name} leaf; solvax's Krylov solvers "
                 f"need float32 or wider. Cast it, e.g. `{name}.astype(jnp.float32)`, and make "
-                "the operator return that dtype.")
+                "the operator return that dtype. Half precision is for stored coefficients "
+                "(`StencilOperator.astype(jnp.bfloat16)`, `multigrid(..., storage_dtype=)`), "
+                "and `iterative_refinement` gives float64 answers from float32 work.")
 
 
 def strong(tree: PyTree) -> PyTree:

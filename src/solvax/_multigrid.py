@@ -739,7 +739,8 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
               steps: int = 2, coarse_size: int = 64, max_levels: int = 30,
               semicoarsening: float = 0.5, chebyshev_lower: float = 0.25,
               shards: tuple | None = None, dtype=None, coarse: str = "direct",
-              coarse_degree: int = 8, interpolation: str = "collapsed") -> Multigrid:
+              coarse_degree: int = 8, interpolation: str = "collapsed",
+              storage_dtype=None) -> Multigrid:
     """A geometric multigrid preconditioner for a structured-grid operator.
 
     Builds a hierarchy from `operator`'s stencil: each level coarsens the
@@ -826,6 +827,17 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
             rounding: CG and GMRES still reach 1e-11 and 1e-10 with it in
             at most one more iteration (tested; `docs/multigrid.md`).
 
+        storage_dtype: the precision the hierarchy's arrays are stored in
+            after set-up (every level's coefficients and interpolation
+            weights): None (as computed) or a narrower real floating dtype,
+            `jnp.bfloat16` or `jnp.float16` included. The set-up runs in
+            `dtype` (or the operator's precision) and the cycle computes in
+            it too; only the bytes each smoothing step and transfer reads
+            shrink (bfloat16 keeps 3 digits of each coefficient: the cycle
+            stays symmetric, a slightly different preconditioner;
+            `docs/precision.md`). The coarsest level's inverse stays in
+            `dtype`.
+
     Returns:
         A `Multigrid`: a callable `r -> z` (the `precond` of any solver) and
         a pytree; `shapes` lists the levels' grids.
@@ -856,10 +868,14 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
         raise ValueError(f"`chebyshev_lower` must be in (0, 1); got {chebyshev_lower!r}.")
     own = jnp.result_type(*operator.entries.values())
     if jnp.finfo(own).bits < 32:
-        raise TypeError(f"`operator` has {jnp.dtype(own).name} coefficients; multigrid needs "
-                        "float32 or wider.")
+        raise TypeError(f"`operator` has {jnp.dtype(own).name} coefficients; multigrid's "
+                        "set-up needs float32 or wider. Build the operator in float32 and "
+                        f"pass `storage_dtype=jnp.{jnp.dtype(own).name}` to store the hierarchy "
+                        "in half precision (the cycle computes in float32).")
     if dtype is not None:
         dtype = _cycle_dtype(dtype, own)
+    if storage_dtype is not None:
+        storage_dtype = _storage_dtype(storage_dtype, dtype or own)
     if shards is None:
         shards = _shards_of(operator)
     elif (not isinstance(shards, tuple | list) or len(shards) != operator.ndim
@@ -885,13 +901,41 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
         if not axes:
             break
         op = _jitted(_galerkin)(op, transfer)
+    bounds = inverse = None
     if coarse == "chebyshev":
         bounds = _jitted(_coarse_bounds)(levels[-1].op)
-        return Multigrid(levels, None, cycle, smoother, steps, float(chebyshev_lower), dtype,
-                         bounds, coarse_degree)
-    coarse_inverse = _jitted(_dense_inverse)(_gathered_operator(levels[-1].op))
-    return Multigrid(levels, coarse_inverse, cycle, smoother, steps, float(chebyshev_lower),
-                     dtype)
+    else:
+        inverse = _jitted(_dense_inverse)(_gathered_operator(levels[-1].op))
+    if storage_dtype is not None:
+        levels = [_Level(lv.op.astype(storage_dtype), lv.lmax,
+                         None if lv.transfer is None else _stored_as(lv.transfer, storage_dtype))
+                  for lv in levels]
+    return Multigrid(levels, inverse, cycle, smoother, steps, float(chebyshev_lower), dtype,
+                     bounds, coarse_degree if coarse == "chebyshev" else 0)
+
+
+def _stored_as(transfer: _Transfer, dtype) -> _Transfer:
+    """A transfer with its floating arrays (interpolation weights) in `dtype`."""
+    return jax.tree_util.tree_map(
+        lambda w: w.astype(dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w, transfer)
+
+
+def _storage_dtype(dtype, precision):
+    """`multigrid`'s `storage_dtype`: a real floating dtype no wider than the
+    hierarchy's `precision` (16-bit ones included), for a real operator."""
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        dtype = None
+    if jnp.issubdtype(precision, jnp.complexfloating):
+        raise TypeError("`storage_dtype` is for real operators; a complex operator's hierarchy "
+                        "is stored in its own precision (pass None).")
+    if (dtype is None or not jnp.issubdtype(dtype, jnp.floating)
+            or dtype.itemsize > jnp.dtype(precision).itemsize):
+        raise TypeError(f"`storage_dtype` must be None or a real floating dtype no wider than "
+                        f"the hierarchy's {jnp.dtype(precision).name}, e.g. jnp.bfloat16 or "
+                        f"jnp.float16; got {dtype!r}.")
+    return dtype
 
 
 def _cycle_dtype(dtype, own):

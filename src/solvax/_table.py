@@ -23,6 +23,7 @@ from ._bicgstab import bicgstab
 from ._block_tridiagonal import block_tridiagonal_solve
 from ._cg import pcg
 from ._comm import count_collectives
+from ._gcrot import gcrot
 from ._gmres import gmres
 from ._idrs import idrs
 from ._linear_solve import linear_solve
@@ -32,6 +33,7 @@ from ._newton import newton_krylov
 from ._parallel import shard_map
 from ._partitioned import partitioned_block_tridiagonal_solve, partitioned_tridiagonal_solve
 from ._precond import jacobi
+from ._refinement import iterative_refinement
 from ._stationary import multigrid_solve
 from ._stencil import diffusion_operator
 from ._tridiagonal import cyclic_tridiagonal_solve, tridiagonal_solve
@@ -84,6 +86,9 @@ _KRYLOV = [
     ("BiCGStab, method='one_sync'", bicgstab, {"method": "one_sync"}),
     ("IDR(4)", idrs, {"s": 4}),
     ("MINRES", minres, {}),
+    ("GCRO-DR gcrot(m=16, k=4) (recycled space)", gcrot, {"m": 16, "k": 4}),
+    ("iterative_refinement, float32 FGMRES(16) corrections", iterative_refinement,
+     {"solver": functools.partial(gmres, restart=16)}),
 ]
 _SHARD_MAPPED = [
     ("shard_map: PCG, single_reduction (axis_name)", pcg, {"single_reduction": True}),
@@ -94,6 +99,7 @@ _SHARD_MAPPED = [
     ("shard_map: BiCGStab one_sync (axis_name)", bicgstab, {"method": "one_sync"}),
     ("shard_map: IDR(4) (axis_name)", idrs, {"s": 4}),
     ("shard_map: MINRES (axis_name)", minres, {}),
+    ("shard_map: gcrot(m=16, k=4) (axis_name)", gcrot, {"m": 16, "k": 4}),
 ]
 _PYTREE = [
     ("pytree PCG, P('i') + P(None,'i') leaves", pcg, {}),
