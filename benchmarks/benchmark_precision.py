@@ -6,14 +6,15 @@ One device. Parts (`--only`):
 
 - `poisson`: Poisson 1024^2 (cell-centred, Dirichlet), multigrid-preconditioned,
   to a float64 true relative residual of 1e-12, set-up included (medians of
-  7 warm runs of one compiled program each): all-float64 MG-CG; float64 CG
+  15 interleaved rounds, each program once per round): all-float64 MG-CG; float64 CG
   with the float32 cycle (`multigrid(A, dtype=jnp.float32)`); and
   `iterative_refinement` with float32 MG-CG corrections at inner tolerances
   1e-3, 1e-4 (the default) and 1e-6.
 - `storage`: 3-D diffusion 96^3 with cell-wise coefficients `10^(3 u)`, `u`
   uniform (contrast 1e3), float64 CG to 1e-8 preconditioned by the float32
-  multigrid cycle with its hierarchy stored in float32, bfloat16 and
-  float16 (`storage_dtype`): iterations and time (set-up included).
+  multigrid cycle with its hierarchy stored in float32 and bfloat16
+  (`storage_dtype`): iterations and time (set-up included). (float16 cannot
+  hold this hierarchy: its coarsest coefficients reach 3e6; refused.)
 - `kappa`: diagonal-plus-Laplacian operators of condition number 1e2 to
   1e12 (n = 256), refinement with float32 GMRES corrections to 1e-12: the
   status, steps and true residual beside the bound kappa * 6e-8 < 0.5.
@@ -22,6 +23,8 @@ One device. Parts (`--only`):
 """
 
 import functools
+import statistics
+import time
 
 import jax
 
@@ -36,13 +39,20 @@ import solvax as sx  # noqa: E402
 RTOL = 1e-12
 
 
-def _row(fn, k, b, repeats):
-    sol = jax.jit(fn)(k, b)
-    A = sx.diffusion_operator(k)
-    true = float(jnp.linalg.norm(b - A(sol.x)) / jnp.linalg.norm(b))
-    return dict(status=sx.Status(int(sol.status)).name, iterations=int(sol.iterations),
-                true_relative_residual=true,
-                time_s=median_time(lambda k, b: fn(k, b).x, k, b, repeats=repeats))
+def _interleaved(fns: dict, args, rounds: int) -> dict:
+    """Median wall time (s) of each compiled function over `rounds` rounds that
+    run every function once in turn (this machine drifts by 10-30 % within a
+    minute: run one after the other, the first case measured slowest)."""
+    compiled = {name: jax.jit(fn) for name, fn in fns.items()}
+    for fn in compiled.values():
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in compiled.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def poisson(small):
@@ -64,16 +74,21 @@ def poisson(small):
     for inner in (1e-3, 1e-4, 1e-6):
         cases[f"refinement, float32 MG-CG to {inner:.0e}"] = functools.partial(
             refinement, inner_rtol=inner)
+    A = sx.diffusion_operator(k)
+    times = _interleaved({name: lambda k, b, f=fn: f(k, b).x for name, fn in cases.items()},
+                         (k, b), rounds=3 if small else 15)
     rows = {}
     for name, fn in cases.items():
-        rows[name] = _row(fn, k, b, repeats=7)
-        base = rows["float64 MG-CG"]["time_s"]
-        rows[name]["vs_float64"] = rows[name]["time_s"] / base
+        sol = jax.jit(fn)(k, b)
+        true = float(jnp.linalg.norm(b - A(sol.x)) / jnp.linalg.norm(b))
+        rows[name] = dict(status=sx.Status(int(sol.status)).name,
+                          iterations=int(sol.iterations), true_relative_residual=true,
+                          time_s=times[name], vs_float64=times[name] / times["float64 MG-CG"])
         r = rows[name]
         print(f"Poisson {n}^2 {name:40s} {r['time_s']:.3f} s ({r['vs_float64']:.2f}x)  "
               f"{r['iterations']:3d} its  {r['status']}  true {r['true_relative_residual']:.1e}",
               flush=True)
-    return dict(n=n, rtol=RTOL, rows=rows)
+    return dict(n=n, rtol=RTOL, rounds=3 if small else 15, rows=rows)
 
 
 def storage(small):
@@ -83,7 +98,7 @@ def storage(small):
     b = jnp.asarray(rng.standard_normal((n, n, n)))
     A = sx.diffusion_operator(k)
     rows = {}
-    for name in ("float32", "bfloat16", "float16"):
+    for name in ("float32", "bfloat16"):
         def solve(k, b, name=name):
             A = sx.diffusion_operator(k)
             mg = sx.multigrid(A, dtype=jnp.float32, storage_dtype=jnp.dtype(name))

@@ -256,6 +256,11 @@ def test_a_hierarchy_stored_in_half_precision():
         sx.multigrid(A, dtype=jnp.float32, storage_dtype=jnp.float64)
     with pytest.raises(TypeError, match="storage_dtype"):
         sx.multigrid(A, storage_dtype=jnp.int8)
+    # float16 cannot hold coefficients past 65504; bfloat16 (float32's range) can
+    steep = sx.diffusion_operator(k, spacing=1e-3)
+    with pytest.raises(ValueError, match="cannot hold.*bfloat16"):
+        sx.multigrid(steep, dtype=jnp.float32, storage_dtype=jnp.float16)
+    assert sx.multigrid(steep, dtype=jnp.float32, storage_dtype=jnp.bfloat16)
     half = A.astype(jnp.bfloat16)
     x = b.astype(jnp.float32)
     assert half(x).dtype == jnp.float32

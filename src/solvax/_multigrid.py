@@ -907,6 +907,7 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     else:
         inverse = _jitted(_dense_inverse)(_gathered_operator(levels[-1].op))
     if storage_dtype is not None:
+        _check_storage_range(levels, storage_dtype)
         levels = [_Level(lv.op.astype(storage_dtype), lv.lmax,
                          None if lv.transfer is None else _stored_as(lv.transfer, storage_dtype))
                   for lv in levels]
@@ -918,6 +919,24 @@ def _stored_as(transfer: _Transfer, dtype) -> _Transfer:
     """A transfer with its floating arrays (interpolation weights) in `dtype`."""
     return jax.tree_util.tree_map(
         lambda w: w.astype(dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w, transfer)
+
+
+def _check_storage_range(levels: list, dtype) -> None:
+    """Refuse a storage dtype that cannot hold the hierarchy's coefficients
+    (concrete ones; float16 tops out at 65504, and Galerkin coefficients grow
+    level by level: a 3-D field of contrast 1e3 at 96^3 reaches 3e6 on its
+    coarsest level). A traced set-up cannot be checked: there a coefficient
+    that overflows makes the solve's status NONFINITE."""
+    if not all(_is_concrete(lv.op) for lv in levels):
+        return
+    largest = max(float(jnp.max(jnp.abs(jnp.asarray(c)))) for lv in levels
+                  for c in lv.op.stored.values())
+    limit = float(jnp.finfo(dtype).max)
+    if not largest < limit:
+        raise ValueError(f"`storage_dtype={jnp.dtype(dtype).name}` cannot hold this hierarchy: "
+                         f"its largest coefficient is {largest:.3g} (the dtype's largest "
+                         f"finite value {limit:.3g}). Use `storage_dtype=jnp.bfloat16` "
+                         "(float32's range, 3 digits) or a wider dtype.")
 
 
 def _storage_dtype(dtype, precision):

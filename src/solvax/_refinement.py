@@ -21,6 +21,8 @@ PyTree = Any
 #: factor 2); otherwise the inner precision cannot resolve the system
 #: (condition number times its unit roundoff near 1 or more): STAGNATION.
 CONTRACTION = 0.5
+#: The last step's correction is solved to `FINAL_MARGIN * tol / ||r||`.
+FINAL_MARGIN = 0.5
 
 
 class _State(NamedTuple):
@@ -56,6 +58,7 @@ def _run(problem: Problem, *, solver, inner_dtype, inner_rtol: float, max_refine
     contracting by `CONTRACTION`, or `max_refinements` ran."""
     b, ip = problem.b, problem.ip
     rtol, atol = problem.tolerances()
+    real = problem.real_dtype()
     inner_A = _inner_operator(problem, inner_dtype)
     inner_ip = jax.tree_util.tree_map(lambda w: _precision.cast(w, inner_dtype), ip)
     precond = None
@@ -86,9 +89,13 @@ def _run(problem: Problem, *, solver, inner_dtype, inner_rtol: float, max_refine
     def body(st: _State) -> _State:
         scale = jnp.where(st.rnorm > 0, st.rnorm, 1)
         rhs = _narrow(tree.scale(1 / scale, st.r), inner_dtype)
+        # never more than the tolerance needs: a last step close to it solves
+        # its correction to the remaining factor (with a margin of 2), not to
+        # `inner_rtol` (Poisson 1024^2 to 1e-12: 14 -> 12 inner iterations)
+        rtol = jnp.maximum(inner_rtol, FINAL_MARGIN * tol / scale).astype(real)
         with jax.named_scope("solvax.refinement.inner"):
-            sol = solver(inner_A, rhs, precond=precond, rtol=inner_rtol, atol=0.0,
-                         inner_product=inner_ip)
+            sol = solver(inner_A, rhs, precond=precond, rtol=jnp.minimum(rtol, 0.5),
+                         atol=0.0, inner_product=inner_ip)
         d = tree.tree_map(lambda v, like: v.astype(like.dtype), sol.x, st.x)
         x = tree.add(st.x, tree.scale(scale, d))
         with jax.named_scope("solvax.refinement.residual"):
