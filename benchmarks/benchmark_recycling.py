@@ -12,11 +12,16 @@ One device, float64, no preconditioner unless said. Parts (`--only`):
   ("recycled"), for (m, k) = (30, 10) and (40, 20). Matvecs per system are
   the solve's accepted Arnoldi steps plus, for a handed-on space, the `k`
   matvecs of its refresh.
-- `symmetric`: the same sequence without convection: `pcg` with Jacobi
-  against `gcrot` recycled.
+- `symmetric`: the same sequence without convection: `pcg` with Jacobi,
+  alone and recycled (deflated CG, `recycle_size=k`, k = 10 and 20: matvecs
+  include the k that make a handed-on space A-orthonormal), against `gcrot`
+  recycled.
 - `adjoint`: the transposed solve of the last step's system for a loss of
   its solution, cold against handed the forward space (what `jax.grad`
   runs with `adjoint_recycle=True`).
+- `symmetric_adjoint`: the transposed solve of the last symmetric step
+  (pcg + Jacobi) cold, against handed the space the recycled sequence ended
+  with (k = 20).
 - `newton`: Bratu 128^2 (lambda = 6), `newton_krylov` with its default
   BiCGStab and with `solver="gcrot"` (the space handed between Newton
   steps), no preconditioner: total inner iterations and time.
@@ -103,11 +108,31 @@ def _methods(n, velocity, m_k):
             return s.x, s.iterations, s.status, s.recycle
         return first, later
 
+    def deflated(k):
+        @jax.jit
+        def first(t, u):
+            A = operator(n, t, velocity)
+            s = sx.pcg(A, u / DT, x0=u, precond=sx.jacobi(A.diagonal()), rtol=RTOL,
+                       recycle_size=k)
+            return s.x, s.iterations, s.status, s.recycle
+
+        @jax.jit
+        def later(t, u, space):
+            A = operator(n, t, velocity)
+            s = sx.pcg(A, u / DT, x0=u, precond=sx.jacobi(A.diagonal()), rtol=RTOL,
+                       recycle=space)
+            return s.x, s.iterations, s.status, s.recycle
+        return first, later
+
     out = {}
     if velocity:
         out["gmres(30)"] = (lambda t, u, _: (*gmres(t, u), None), 0)
     else:
         out["pcg + jacobi"] = (lambda t, u, _: (*pcg(t, u), None), 0)
+        for k in (10, 20):
+            first, later = deflated(k)
+            out[f"pcg + jacobi, recycled k={k}"] = (
+                lambda t, u, s, f=first, g=later: f(t, u) if s is None else g(t, u, s), k)
     for m, k in m_k:
         first, later = gcrot(m, k)
         if velocity:
@@ -163,6 +188,30 @@ def adjoint(small):
     return out
 
 
+def symmetric_adjoint(small, k=20):
+    """The gradient of a loss of the last step's solution of the symmetric
+    sequence: its transposed solve (pcg + Jacobi) cold, against handed the
+    space the recycled sequence ended with (what `jax.grad` of a recycled
+    solve runs: `k` refresh matvecs, then deflated CG)."""
+    n, steps = _steps(small)
+    u, space = initial(n), None
+    for i in range(steps):
+        A = operator(n, float(i), 0.0)
+        s = sx.pcg(A, u / DT, x0=u, precond=sx.jacobi(A.diagonal()), rtol=RTOL,
+                   **({"recycle_size": k} if space is None else {"recycle": space}))
+        u, space = s.x, s.recycle
+    w = jnp.cos(jnp.arange(n * n).reshape(n, n) / n)
+    A = operator(n, float(steps - 1), 0.0)
+    solve = jax.jit(lambda w, **kw: sx.pcg(A, w, precond=sx.jacobi(A.diagonal()), rtol=RTOL,
+                                           **kw))
+    cold = int(solve(w).iterations)
+    handed = int(solve(w, recycle=space).iterations) + k
+    row = dict(cold=cold, handed=handed, ratio=handed / cold, k=k)
+    print(f"symmetric adjoint at {n}^2, pcg + jacobi: cold {cold} matvecs, handed the "
+          f"sequence's space (k={k}) {handed} ({row['ratio']:.2f}x)", flush=True)
+    return row
+
+
 def newton(small):
     n = 16 if small else 128
     F, u0 = bratu(n), jnp.zeros((n, n))
@@ -186,7 +235,7 @@ def newton(small):
 def main():
     args = parse_args(__doc__)
     run_parts(args, (("sequence", sequence), ("symmetric", symmetric), ("adjoint", adjoint),
-                     ("newton", newton)),
+                     ("symmetric_adjoint", symmetric_adjoint), ("newton", newton)),
               {"jax": jax.__version__, "cpu_count": os.cpu_count(), "rtol": RTOL}, args.small)
 
 

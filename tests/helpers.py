@@ -182,6 +182,11 @@ SOLVERS = {s.name: s for s in [
            functools.partial(sx.pcg, method="pipelined", residual_replacement=10), "pcg",
            False, (2, 4, 1)),
     Solver("pcg_linear_solve", sx.pcg_linear_solve, "pcg", False, (3, 6, 2)),
+    # deflated CG from an empty space of 4: the scale, the start's [U^H r,
+    # ||b||^2] and two per step (the projections C^H z in the second); the
+    # next space's Gram matrix after the loop is dropped when only x is used
+    Solver("pcg_recycled", functools.partial(sx.pcg, recycle_size=4), "pcg", False,
+           (4, 10, 2)),
     # one stacked Gram reduction per outer step of s CG steps (s = 3 here: an odd
     # block and a Chebyshev recurrence with both terms; s = 4, 8 pinned on their own)
     Solver("pcg_s_step", functools.partial(sx.pcg, method="s_step", s=3), "pcg_s_step", False,

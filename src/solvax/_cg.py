@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _checks, _driver, _method, _reduce, _sstep
+from . import _checks, _driver, _method, _recycle, _reduce, _sstep
 from . import _tree as tree
 from ._driver import Outcome, Problem
 from ._method import masked_div
@@ -47,6 +47,16 @@ class _Single(NamedTuple):
     sc: _Scalars
 
 
+class _Deflated(NamedTuple):
+    x: PyTree
+    r: PyTree
+    p: PyTree  # search direction, A-conjugate to the recycled space
+    P: PyTree  # the first `ell` directions (row `ell`: scratch for the later ones)
+    Q: PyTree  # A P
+    curvatures: jax.Array  # their <p, A p> (0 where no step went)
+    sc: _Scalars
+
+
 class _Pipelined(NamedTuple):
     x: PyTree
     r: PyTree
@@ -71,6 +81,8 @@ class _Context(NamedTuple):
     atol: jax.Array
     tol_from_rr: bool  # x0 = None: ||b||^2 is the first step's <r, r>
     max_steps: int  # a step with k = max_steps only checks the residual
+    space: Any = None  # deflated CG: the recycled (C, U), U^H C = I
+    ell: int = 0  # deflated CG: the directions kept for the next space
 
 
 def _may_go(rr, gamma, tol2):
@@ -157,6 +169,55 @@ def _standard_step(st: _Standard, ctx: _Context) -> _Standard:
     alpha = masked_div(go, gamma, pq)
     return _Standard(x=tree.axpy(alpha, p, st.x), r=tree.axpy(-alpha, q, st.r), p=p,
                      sc=_advance(sc, go, alpha, rr, gamma, pq))
+
+
+def _deflated_step(st: _Deflated, ctx: _Context) -> _Deflated:
+    """Deflated CG (Saad, Yeung, Erhel, Guyomarc'h 2000): the standard step
+    with each direction made A-conjugate to the recycled space, `p = z - U
+    C^H z + beta p` (`C = A U`, `U^H C = I`), the projections `C^H z` riding
+    in the step's `<r, z>`, `<r, r>` reduction: still two reductions per
+    step. The first `ell` directions and their `A p` are kept (written in
+    place) for the next solve's space (`_recycle.ritz_space`)."""
+    C, U = ctx.space
+    with jax.named_scope("solvax.pcg.precond"):
+        z = ctx.M(st.r)
+    with jax.named_scope("solvax.pcg.reduce"):
+        cz, products = ctx.ip.project_many(C, [z], [(st.r, z), (st.r, st.r)])
+        gamma, rr = jnp.real(products)
+    sc, go = _top_of_step(st.sc, ctx, rr, gamma)
+    beta = gamma / sc.gamma
+    p = tree.axpy(beta, st.p, tree.sub(z, tree.basis_combine(U, cz[0])))
+    with jax.named_scope("solvax.pcg.matvec"):
+        q = ctx.A(p)
+    with jax.named_scope("solvax.pcg.reduce"):
+        pq = jnp.real(ctx.ip.dot(p, q))
+    go = _goes(go, pq)
+    alpha = masked_div(go, gamma, pq)
+    row = jnp.minimum(sc.k, ctx.ell)
+    return _Deflated(x=tree.axpy(alpha, p, st.x), r=tree.axpy(-alpha, q, st.r), p=p,
+                     P=tree.basis_fill(st.P, row, [p], go),
+                     Q=tree.basis_fill(st.Q, row, [q], go),
+                     curvatures=st.curvatures.at[row].set(jnp.where(go, pq, 0)),
+                     sc=_advance(sc, go, alpha, rr, gamma, pq))
+
+
+def _deflated_start(problem: Problem, ctx: _Context, k: int):
+    """`(ctx, x, r, tol2)` for deflated CG: the recycled space (given: made
+    A-orthonormal for this operator, `k` matvecs and one reduction; else
+    empty), and the start projected on it, `x += U U^H r`, `r -= C U^H r`
+    (exact for `A U = C`, `U^H C = I`), `||b||^2` in the same reduction."""
+    with jax.named_scope("solvax.pcg.recycle"):
+        given = problem.data
+        space = (_recycle.empty(problem.b, k) if given is None
+                 else _recycle.conjugated(problem.A, problem.ip, given[1]))
+        x, r = problem.residual()
+        mu, products = problem.ip.project_many(space.U, [r], [(problem.b, problem.b)])
+        bb = jnp.real(products[0])
+        x = tree.add(x, tree.basis_combine(space.U, mu[0]))
+        r = tree.sub(r, tree.basis_combine(space.C, mu[0]))
+        x, r = problem.settled(x, r, bb)
+    return ctx._replace(space=space, tol_from_rr=False), x, r, _driver.squared_threshold(
+        bb, ctx.rtol, ctx.atol)
 
 
 def _single_step(st: _Single, ctx: _Context) -> _Single:
@@ -291,8 +352,42 @@ def _start(problem: Problem, ctx: _Context, real, max_steps: int, record_history
     return x, r, sc
 
 
+def _run_deflated(problem: Problem, ctx: _Context, real, record_history: bool, k: int,
+                  ell: int) -> Outcome:
+    """Deflated CG from its recycled space to the space for the next solve."""
+    ctx, x, r, tol2 = _deflated_start(problem, ctx._replace(ell=ell), k)
+    one = jnp.ones((), real)
+    sc = _Scalars(gamma=one, alpha=one, tol2=tol2, k=jnp.int32(0), go=jnp.bool_(True),
+                  rr=one, curvature=one,
+                  history=problem.history(ctx.max_steps + 1, record_history))
+    P = tree.basis_alloc(problem.b, ell + 1)
+    state = _Deflated(x=x, r=r, p=tree.zeros_like(r), P=P, Q=P,
+                      curvatures=jnp.zeros((ell + 1,), real), sc=sc)
+    state = _method.while_loop(problem.ip, problem.b,
+                               lambda st: st.sc.go & (st.sc.k <= ctx.max_steps),
+                               functools.partial(_deflated_step, ctx=ctx), state)
+    with jax.named_scope("solvax.pcg.recycle"):
+        first = functools.partial(tree.tree_map, lambda leaf: leaf[:ell])
+        C, U = ctx.space
+        space = _recycle.ritz_space(problem.ip, U, C, first(state.P), first(state.Q),
+                                    state.curvatures[:ell], k, _recycle.RecycleSpace(C, U))
+    outcome = _finished(state.sc, state.x, None, ctx.max_steps, "standard")
+    return outcome._replace(recycle=space)
+
+
+def _finished(sc: _Scalars, x, checks, max_steps: int, method: str) -> Outcome:
+    """The outcome of a CG loop from its last step's scalars."""
+    # Every step run updated x, except the last one, which stopped the loop.
+    steps = sc.k - (~sc.go).astype(jnp.int32)
+    at_limit = (sc.k > max_steps) & _may_go(sc.rr, sc.gamma, sc.tol2)
+    stalled = checks.stalled if method == "pipelined" else False
+    status = first_status([(sc.go | at_limit, RUNNING), (stalled, Status.STAGNATION)],
+                          _stop_reason(sc))
+    return Outcome(x=x, status=status, iterations=steps, history=sc.history)
+
+
 def _run(problem: Problem, *, method: str, max_steps: int | None, residual_replacement: int | None,
-         record_history: bool) -> Outcome:
+         record_history: bool, recycle_size: int = 0) -> Outcome:
     """The PCG iteration of `method` (not differentiated itself; see `pcg`)."""
     real = problem.real_dtype()
     max_steps = problem.step_limit(max_steps)
@@ -301,6 +396,9 @@ def _run(problem: Problem, *, method: str, max_steps: int | None, residual_repla
     ctx = _Context(A=problem.A, M=(lambda v: v) if identity else problem.precond,
                    identity=identity, ip=problem.ip, rtol=rtol, atol=atol,
                    tol_from_rr=problem.x0 is None, max_steps=max_steps)
+    if method == "deflated":
+        ell = min(4 * recycle_size, problem.size())
+        return _run_deflated(problem, ctx, real, record_history, recycle_size, ell)
     x, r, sc = _start(problem, ctx, real, max_steps, record_history)
     state = _initial_state(method, ctx, x, r, sc)
     if method == "pipelined" and residual_replacement:
@@ -317,14 +415,7 @@ def _run(problem: Problem, *, method: str, max_steps: int | None, residual_repla
         state = _method.while_loop(problem.ip, problem.b,
                                    lambda st: st.sc.go & (st.sc.k <= max_steps),
                                    functools.partial(step, ctx=ctx), state)
-    sc = state.sc
-    # Every step run updated x, except the last one, which stopped the loop.
-    steps = sc.k - (~sc.go).astype(jnp.int32)
-    at_limit = (sc.k > max_steps) & _may_go(sc.rr, sc.gamma, sc.tol2)
-    stalled = state.checks.stalled if method == "pipelined" else False
-    status = first_status([(sc.go | at_limit, RUNNING), (stalled, Status.STAGNATION)],
-                          _stop_reason(sc))
-    return Outcome(x=state.x, status=status, iterations=steps, history=sc.history)
+    return _finished(state.sc, state.x, getattr(state, "checks", None), max_steps, method)
 
 
 _STEPS = {"standard": _standard_step, "single_reduction": _single_step,
@@ -352,6 +443,8 @@ def pcg(
     inner_product=None,
     axis_name: str | tuple[str, ...] | None = None,
     failed_derivative: str = "nan",
+    recycle: _recycle.RecycleSpace | tuple | None = None,
+    recycle_size: int | None = None,
 ) -> Solution:
     """Preconditioned conjugate gradients for a Hermitian positive-definite `A`.
 
@@ -381,6 +474,23 @@ def pcg(
     reduction) and stops only when the next step's reduction finds the true
     residual within the tolerance (a restart that no longer lowers it stops
     as `STAGNATION`).
+
+    **Recycling** (`recycle_size=k` or `recycle=`, standard method only):
+    deflated CG for sequences of systems. A recycled space `(C, U)` (`C = A
+    U`, `U` A-orthonormal; pytrees like `b` with `k` rows per leaf, sharding
+    kept) is deflated from the solve: the start is projected on it (`x += U
+    U^H r`) and every direction is made A-conjugate to it (`p = z - U C^H z +
+    beta p`, the `k` projections riding in the step's second reduction:
+    still two reductions per step, `2 k` more vectors read). After the solve
+    the space becomes the `k` Ritz vectors of smallest Ritz value on the old
+    space plus the solve's first `4 k` directions (one more reduction; no
+    eigen-solver beyond a replicated `eigh` of `5 k x 5 k`), returned as
+    `Solution.recycle`; passing it to the next solve (a changed operator and
+    right-hand side) costs `k` matvecs and one reduction to make it
+    A-orthonormal for the new operator. From `recycle_size=k` alone the
+    space starts empty (no deflation in that first solve). Derivatives hand
+    the space to the transposed solve. (Saad, Yeung, Erhel, Guyomarc'h,
+    SIAM J. Sci. Comput. 21, 2000.) Memory: `10 k + 2` vectors more.
 
     `method="s_step"` is s-step (communication-avoiding) CG: each outer step
     builds `s` Krylov vectors with a polynomial basis (`basis`: Chebyshev or
@@ -437,10 +547,15 @@ def pcg(
             NaN, so a finite derivative is a correct one; `"keep"`: as computed.
         axis_name: inside `shard_map`, the mesh axis the vectors are split over
             (shorthand for `inner_product=InnerProduct(axis_name=...)`).
+        recycle: the space of a previous solve (`Solution.recycle` of `pcg`
+            or `gcrot`): deflated CG with it (its size is `k`).
+        recycle_size: `k`, the recycled space's size (>= 1): deflated CG from
+            an empty space (or checked against `recycle`'s).
 
     Returns:
         A `Solution` with `x`, `status`, `converged`, `iterations` and the true
-        `residual_norm`.
+        `residual_norm`; with recycling, `recycle`: the space for the next
+        solve (the `k` refresh matvecs are not in `iterations`).
 
     Raises:
         TypeError, ValueError: at trace time, for a `b`, `x0`, `matvec(b)` or
@@ -476,6 +591,11 @@ def pcg(
                             residual_replacement=residual_replacement,
                             record_history=record_history, inner_product=inner_product,
                             axis_name=axis_name, failed_derivative=failed_derivative)
+    if recycle is not None or recycle_size is not None:
+        return _recycled(matvec, b, method=method, recycle=recycle, recycle_size=recycle_size,
+                         x0=x0, precond=precond, rtol=rtol, atol=atol, max_steps=max_steps,
+                         record_history=record_history, inner_product=inner_product,
+                         axis_name=axis_name, failed_derivative=failed_derivative)
     if (s, basis, spectrum) != (4, "chebyshev", None):
         raise ValueError("`s`, `basis` and `spectrum` apply to `method='s_step'` only; "
                          f"got method={method!r}.")
@@ -485,6 +605,25 @@ def pcg(
                          failed_derivative=failed_derivative, method=method,
                          max_steps=max_steps, residual_replacement=residual_replacement,
                          record_history=record_history)
+
+
+def _recycled(matvec, b, *, method, recycle, recycle_size, **options) -> Solution:
+    """`pcg` with a recycled space: deflated CG (validated here)."""
+    if method != "standard":
+        raise ValueError(f"`recycle`/`recycle_size` apply to the standard method only (deflated "
+                         f"CG); got method={method!r}.")
+    _checks.check_vector("b", b)
+    if recycle_size is not None:
+        recycle_size = _checks.check_int("recycle_size", recycle_size, 1)
+    if recycle is not None:
+        leaves = jax.tree_util.tree_leaves(recycle[1] if isinstance(recycle, tuple) and
+                                           len(recycle) == 2 else recycle)
+        k = recycle_size or (jnp.shape(leaves[0])[0] if leaves and jnp.ndim(leaves[0]) else 0)
+        recycle = _recycle.checked(recycle, b, k)
+        recycle_size = k
+    return _driver.solve(CG, matvec, b, data=recycle,
+                         adjoint_data=lambda out: out.recycle, method="deflated",
+                         residual_replacement=None, recycle_size=recycle_size, **options)
 
 
 def pcg_linear_solve(matvec: Callable[[PyTree], PyTree], b: PyTree, **pcg_options) -> Solution:

@@ -6,9 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
 from . import _checks, _driver, _gmres, _recycle
 from . import _tree as tree
 from ._driver import Outcome, Problem
@@ -51,32 +48,6 @@ def _run(problem: Problem, *, m: int, k: int, max_restarts: int | None,
 
 
 GCROT = _driver.register(_driver.Method("gcrot", _run))
-
-
-def _check_recycle(recycle, b, k: int) -> RecycleSpace:
-    """`recycle` a pair `(C, U)` of bases like `b` with `k` rows per leaf."""
-    if not (isinstance(recycle, tuple) and len(recycle) == 2):
-        raise TypeError("`recycle` must be the pair `(C, U)` of a previous solve "
-                        f"(`Solution.recycle` of `gcrot`), not {type(recycle).__name__}.")
-    structure = jax.tree_util.tree_structure(b)
-    for name, basis in zip(("C", "U"), recycle):
-        if jax.tree_util.tree_structure(basis) != structure:
-            raise ValueError(
-                f"`recycle.{name}` must have the structure of `b` ({structure}), not "
-                f"{jax.tree_util.tree_structure(basis)}: pass the space of a solve of "
-                "the same kind of system.")
-        for leaf, ref in zip(jax.tree_util.tree_leaves(basis), jax.tree_util.tree_leaves(b)):
-            if jnp.shape(leaf) != (k, *jnp.shape(ref)):
-                raise ValueError(
-                    f"`recycle.{name}` has a leaf of shape {jnp.shape(leaf)} where `b`'s leaf "
-                    f"{jnp.shape(ref)} and k = {k} need {(k, *jnp.shape(ref))}: a space from "
-                    "another grid or another `k` (pass `k=` of the solve that made it, or "
-                    "`recycle=None` to start afresh).")
-            if jnp.result_type(leaf) != jnp.result_type(ref):
-                raise TypeError(f"`recycle.{name}` has a {jnp.result_type(leaf)} leaf where "
-                                f"`b`'s is {jnp.result_type(ref)}: recycle within one "
-                                "precision.")
-    return RecycleSpace(*recycle)
 
 
 def gcrot(
@@ -178,7 +149,7 @@ def gcrot(
     adjoint_recycle = _checks.check_flag("adjoint_recycle", adjoint_recycle)
     _checks.check_vector("b", b)
     if recycle is not None:
-        recycle = _check_recycle(recycle, b, space_size(tree.size(b), m, k))
+        recycle = _recycle.checked(recycle, b, space_size(tree.size(b), m, k))
     return _driver.solve(GCROT, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, data=recycle,

@@ -48,6 +48,32 @@ class RecycleSpace(NamedTuple):
     U: PyTree
 
 
+def checked(recycle, b, k: int) -> RecycleSpace:
+    """`recycle` a pair `(C, U)` of bases like `b` with `k` rows per leaf."""
+    if not (isinstance(recycle, tuple) and len(recycle) == 2):
+        raise TypeError("`recycle` must be the pair `(C, U)` of a previous solve "
+                        f"(`Solution.recycle` of `gcrot` or `pcg`), not {type(recycle).__name__}.")
+    structure = jax.tree_util.tree_structure(b)
+    for name, basis in zip(("C", "U"), recycle):
+        if jax.tree_util.tree_structure(basis) != structure:
+            raise ValueError(
+                f"`recycle.{name}` must have the structure of `b` ({structure}), not "
+                f"{jax.tree_util.tree_structure(basis)}: pass the space of a solve of "
+                "the same kind of system.")
+        for leaf, ref in zip(jax.tree_util.tree_leaves(basis), jax.tree_util.tree_leaves(b)):
+            if jnp.shape(leaf) != (k, *jnp.shape(ref)):
+                raise ValueError(
+                    f"`recycle.{name}` has a leaf of shape {jnp.shape(leaf)} where `b`'s leaf "
+                    f"{jnp.shape(ref)} and k = {k} need {(k, *jnp.shape(ref))}: a space from "
+                    "another grid or another `k` (pass `k=` of the solve that made it, or "
+                    "`recycle=None` to start afresh).")
+            if jnp.result_type(leaf) != jnp.result_type(ref):
+                raise TypeError(f"`recycle.{name}` has a {jnp.result_type(leaf)} leaf where "
+                                f"`b`'s is {jnp.result_type(ref)}: recycle within one "
+                                "precision.")
+    return RecycleSpace(*recycle)
+
+
 def empty(b: PyTree, k: int) -> RecycleSpace:
     """An empty space of `k` slots for vectors like `b` (all zeros)."""
     return RecycleSpace(tree.basis_alloc(b, k), tree.basis_alloc(b, k))
@@ -64,11 +90,24 @@ def refreshed(A, ip, space: RecycleSpace) -> RecycleSpace:
     return RecycleSpace(C, U)
 
 
+def conjugated(A, ip, U) -> RecycleSpace:
+    """The space spanned by `U` for the operator `A` (Hermitian positive
+    definite), A-orthonormal: `C = A U` (`k` matvecs), then `U R^-1`,
+    `C R^-1` with `U^H A U = R^H R` (one reduction), so `U^H C = I`: the form
+    deflated CG (`pcg(recycle=...)`) works with."""
+    C = lax.map(A, U)
+    return RecycleSpace(*_normalized(lax.stop_gradient(ip.gram(U, C)), C, U))
+
+
 def _cholesky_qr(ip, C, U):
-    """`(C R^-1, U R^-1)` with `C^H C = R^H R`: one reduction. Rows whose norm
+    """`(C R^-1, U R^-1)` with `C^H C = R^H R`: one reduction."""
+    return _normalized(lax.stop_gradient(ip.gram(C, C)), C, U)
+
+
+def _normalized(G, C, U):
+    """`(C R^-1, U R^-1)` with `G = R^H R` (Cholesky). Rows whose Gram entry
     is negligible against the largest (unused or dependent slots) become zero
     in both, and a factorization that fails (non-finite) empties the space."""
-    G = lax.stop_gradient(ip.gram(C, C))
     d = jnp.real(jnp.diagonal(G))
     keep = d > 1e3 * jnp.finfo(d.dtype).eps * jnp.max(d)
     eye = jnp.eye(G.shape[0], dtype=G.dtype)
@@ -172,3 +211,36 @@ def _dominant_subspace(S, k: int):
     X = jnp.linalg.qr(jnp.asarray(start, S.dtype))[0]
     X = lax.fori_loop(0, SUBSPACE_ITERATIONS, lambda _, X: jnp.linalg.qr(P @ X)[0], X)
     return jnp.linalg.qr(S @ X)[0]
+
+
+def ritz_space(ip, U, C, P, Q, curvatures, k: int, old: RecycleSpace) -> RecycleSpace:
+    """Deflated CG's space for the next solve: Rayleigh–Ritz on `span(Z)`,
+    `Z = [U, P]` (the space that deflated this solve and the solve's first
+    search directions `P`, `Q = A P`), keeping the `k` Ritz vectors of
+    smallest Ritz value (the slowest modes).
+
+    The directions are A-conjugate to each other and to the A-orthonormal
+    `U`, so `Z^H A Z = diag(d)` is known (`d = 1` on `U`, the steps'
+    curvatures `<p, A p>` on `P`): only `G = Z^H Z` is reduced (one
+    reduction per solve). With `s = d^-1/2`, the `k` largest eigenvectors `w`
+    of `S = s G s` (`eigh`, every backend) give `y = s w` and the new `U = Z
+    y`, `C = [C, Q] y`, A-orthonormal (`y^H diag(d) y = I`). Slots without a
+    live vector stay zero (unused); anything non-finite keeps `old`."""
+    Z = tree.basis_join([U, P])
+    AZ = tree.basis_join([C, Q])
+    G = lax.stop_gradient(ip.gram(Z, Z))
+    real = jnp.real(G).dtype
+    norms = jnp.real(jnp.diagonal(G))
+    d = jnp.concatenate([jnp.ones((G.shape[0] - curvatures.shape[0],), real),
+                         lax.stop_gradient(curvatures).astype(real)])
+    live = (d > 0) & jnp.isfinite(d) & (norms > 1e3 * jnp.finfo(real).eps * jnp.max(norms))
+    s = jnp.where(live, 1 / jnp.sqrt(jnp.where(live, d, 1)), 0).astype(G.dtype)
+    S = s[:, None] * G * s[None, :]
+    S = (S + jnp.conj(S.T)) / 2
+    values, vectors = jnp.linalg.eigh(S)
+    values, vectors = values[-k:], vectors[:, -k:]   # the largest: the smallest Ritz values
+    wanted = values > 1e3 * jnp.finfo(real).eps * jnp.maximum(jnp.max(values), 0)
+    y = jnp.where(wanted[None, :], s[:, None] * vectors, 0)
+    ok = jnp.all(jnp.isfinite(y))
+    new = RecycleSpace(tree.basis_mix(AZ, y.T), tree.basis_mix(Z, y.T))
+    return tree.tree_map(lambda n, o: jnp.where(ok, n, o), new, old)
