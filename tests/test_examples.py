@@ -65,3 +65,12 @@ def test_bratu_newton_converges_sharded_with_multigrid():
     norms = [float(line.split("= ")[1]) for line in out.splitlines() if "||F(u)||" in line]
     assert len(norms) == steps + 1 and norms[-1] <= 1e-10 * norms[0]
     assert float(out.split("d mean(u) / d lambda = ")[1].split()[0]) > 0
+
+
+def test_recycled_time_stepping_saves_iterations_and_keeps_the_sharding():
+    out = run("recycled_time_stepping.py", "--n", "32", "--steps", "5", "--k", "6")
+    totals = out.split("total matvecs: CG ")[1].split()
+    plain, recycled = int(totals[0].rstrip(",")), int(totals[3])
+    assert recycled < plain, out
+    assert "P(None, 'i')" in out and "all-gather" not in out
+    assert "all-reduce 2" in out   # two per CG step, as plain CG

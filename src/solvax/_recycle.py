@@ -231,8 +231,9 @@ def ritz_space(ip, U, C, P, Q, curvatures, k: int, old: RecycleSpace) -> Recycle
     G = lax.stop_gradient(ip.gram(Z, Z))
     real = jnp.real(G).dtype
     norms = jnp.real(jnp.diagonal(G))
-    d = jnp.concatenate([jnp.ones((G.shape[0] - curvatures.shape[0],), real),
-                         lax.stop_gradient(curvatures).astype(real)])
+    # Z^H A Z: 1 on the A-orthonormal U, the curvatures on the directions
+    d = jnp.ones((G.shape[0],), real).at[G.shape[0] - curvatures.shape[0]:].set(
+        lax.stop_gradient(curvatures).astype(real))
     live = (d > 0) & jnp.isfinite(d) & (norms > 1e3 * jnp.finfo(real).eps * jnp.max(norms))
     s = jnp.where(live, 1 / jnp.sqrt(jnp.where(live, d, 1)), 0).astype(G.dtype)
     S = s[:, None] * G * s[None, :]
