@@ -147,6 +147,18 @@ def _advance(sc: _Scalars, go, alpha, rr, gamma, curvature) -> _Scalars:
     return sc._replace(go=go, alpha=alpha, rr=rr, gamma=gamma, curvature=curvature, k=sc.k + 1)
 
 
+def _along(p, ctx: _Context, go, gamma):
+    """The second half of a Hestenes–Stiefel step from its direction `p`:
+    `(q, <p, q>, go, alpha)` with `q = A p` (one reduction), whether the
+    step goes on (`_goes`) and its length `<r, z> / <p, A p>`."""
+    with jax.named_scope("solvax.pcg.matvec"):
+        q = ctx.A(p)
+    with jax.named_scope("solvax.pcg.reduce"):
+        pq = jnp.real(ctx.ip.dot(p, q))
+    go = _goes(go, pq)
+    return q, pq, go, masked_div(go, gamma, pq)
+
+
 def _standard_step(st: _Standard, ctx: _Context) -> _Standard:
     """Hestenes–Stiefel: two reductions, `<r, z>` with `<r, r>`, then `<p, A p>`."""
     with jax.named_scope("solvax.pcg.precond"):
@@ -161,12 +173,7 @@ def _standard_step(st: _Standard, ctx: _Context) -> _Standard:
     # or from the initial 1s, and the first step's beta multiplies p = 0.
     beta = gamma / sc.gamma
     p = tree.axpy(beta, st.p, z)
-    with jax.named_scope("solvax.pcg.matvec"):
-        q = ctx.A(p)
-    with jax.named_scope("solvax.pcg.reduce"):
-        pq = jnp.real(ctx.ip.dot(p, q))
-    go = _goes(go, pq)
-    alpha = masked_div(go, gamma, pq)
+    q, pq, go, alpha = _along(p, ctx, go, gamma)
     return _Standard(x=tree.axpy(alpha, p, st.x), r=tree.axpy(-alpha, q, st.r), p=p,
                      sc=_advance(sc, go, alpha, rr, gamma, pq))
 
@@ -187,12 +194,7 @@ def _deflated_step(st: _Deflated, ctx: _Context) -> _Deflated:
     sc, go = _top_of_step(st.sc, ctx, rr, gamma)
     beta = gamma / sc.gamma
     p = tree.axpy(beta, st.p, tree.sub(z, tree.basis_combine(U, cz[0])))
-    with jax.named_scope("solvax.pcg.matvec"):
-        q = ctx.A(p)
-    with jax.named_scope("solvax.pcg.reduce"):
-        pq = jnp.real(ctx.ip.dot(p, q))
-    go = _goes(go, pq)
-    alpha = masked_div(go, gamma, pq)
+    q, pq, go, alpha = _along(p, ctx, go, gamma)
     row = jnp.minimum(sc.k, ctx.ell)
     return _Deflated(x=tree.axpy(alpha, p, st.x), r=tree.axpy(-alpha, q, st.r), p=p,
                      P=tree.basis_fill(st.P, row, [p], go),
