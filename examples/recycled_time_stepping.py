@@ -90,7 +90,7 @@ def main():
     print(f"total matvecs: CG {totals[0]}, deflated CG {totals[1]} "
           f"({totals[1] / totals[0]:.2f}x)")
     print(f"the space keeps the grid's sharding behind its leading axis of {args.k}: "
-          f"{space.U.sharding.spec}")
+          f"{tuple(space.U.sharding.spec)}")
     print(f"solutions agree: {float(jnp.max(jnp.abs(u_plain - u_rec))):.1e}")
     print(sx.count_collectives(lambda k, u, s: recycled(k, u, s).x, k, u_rec, space))
 

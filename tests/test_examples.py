@@ -72,5 +72,5 @@ def test_recycled_time_stepping_saves_iterations_and_keeps_the_sharding():
     totals = out.split("total matvecs: CG ")[1].split()
     plain, recycled = int(totals[0].rstrip(",")), int(totals[3])
     assert recycled < plain, out
-    assert "P(None, 'i')" in out and "all-gather" not in out
+    assert "(None, 'i')" in out and "all-gather" not in out
     assert "all-reduce 2" in out   # two per CG step, as plain CG
