@@ -373,16 +373,16 @@ def _run_deflated(problem: Problem, ctx: _Context, real, record_history: bool, k
         C, U = ctx.space
         space = _recycle.ritz_space(problem.ip, U, C, first(state.P), first(state.Q),
                                     state.curvatures[:ell], k, _recycle.RecycleSpace(C, U))
-    outcome = _finished(state.sc, state.x, None, ctx.max_steps, "standard")
+    outcome = _finished(state.sc, state.x, ctx.max_steps)
     return outcome._replace(recycle=space)
 
 
-def _finished(sc: _Scalars, x, checks, max_steps: int, method: str) -> Outcome:
-    """The outcome of a CG loop from its last step's scalars."""
+def _finished(sc: _Scalars, x, max_steps: int, stalled=False) -> Outcome:
+    """The outcome of a CG loop from its last step's scalars (`stalled`:
+    pipelined CG's confirmation found no progress)."""
     # Every step run updated x, except the last one, which stopped the loop.
     steps = sc.k - (~sc.go).astype(jnp.int32)
     at_limit = (sc.k > max_steps) & _may_go(sc.rr, sc.gamma, sc.tol2)
-    stalled = checks.stalled if method == "pipelined" else False
     status = first_status([(sc.go | at_limit, RUNNING), (stalled, Status.STAGNATION)],
                           _stop_reason(sc))
     return Outcome(x=x, status=status, iterations=steps, history=sc.history)
@@ -417,7 +417,8 @@ def _run(problem: Problem, *, method: str, max_steps: int | None, residual_repla
         state = _method.while_loop(problem.ip, problem.b,
                                    lambda st: st.sc.go & (st.sc.k <= max_steps),
                                    functools.partial(step, ctx=ctx), state)
-    return _finished(state.sc, state.x, getattr(state, "checks", None), max_steps, method)
+    return _finished(state.sc, state.x, max_steps,
+                     state.checks.stalled if method == "pipelined" else False)
 
 
 _STEPS = {"standard": _standard_step, "single_reduction": _single_step,

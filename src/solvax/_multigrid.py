@@ -866,16 +866,7 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
         raise ValueError(f"`semicoarsening` must be in (0, 1]; got {semicoarsening!r}.")
     if not 0 < float(chebyshev_lower) < 1:
         raise ValueError(f"`chebyshev_lower` must be in (0, 1); got {chebyshev_lower!r}.")
-    own = jnp.result_type(*operator.entries.values())
-    if jnp.finfo(own).bits < 32:
-        raise TypeError(f"`operator` has {jnp.dtype(own).name} coefficients; multigrid's "
-                        "set-up needs float32 or wider. Build the operator in float32 and "
-                        f"pass `storage_dtype=jnp.{jnp.dtype(own).name}` to store the hierarchy "
-                        "in half precision (the cycle computes in float32).")
-    if dtype is not None:
-        dtype = _cycle_dtype(dtype, own)
-    if storage_dtype is not None:
-        storage_dtype = _storage_dtype(storage_dtype, dtype or own)
+    dtype, storage_dtype = _precisions(operator, dtype, storage_dtype)
     if shards is None:
         shards = _shards_of(operator)
     elif (not isinstance(shards, tuple | list) or len(shards) != operator.ndim
@@ -907,18 +898,38 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     else:
         inverse = _jitted(_dense_inverse)(_gathered_operator(levels[-1].op))
     if storage_dtype is not None:
-        _check_storage_range(levels, storage_dtype)
-        levels = [_Level(lv.op.astype(storage_dtype), lv.lmax,
-                         None if lv.transfer is None else _stored_as(lv.transfer, storage_dtype))
-                  for lv in levels]
+        levels = _stored_as(levels, storage_dtype)
     return Multigrid(levels, inverse, cycle, smoother, steps, float(chebyshev_lower), dtype,
                      bounds, coarse_degree if coarse == "chebyshev" else 0)
 
 
-def _stored_as(transfer: _Transfer, dtype) -> _Transfer:
-    """A transfer with its floating arrays (interpolation weights) in `dtype`."""
-    return jax.tree_util.tree_map(
-        lambda w: w.astype(dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w, transfer)
+def _precisions(operator: StencilOperator, dtype, storage_dtype) -> tuple:
+    """`multigrid`'s `(dtype, storage_dtype)` checked against the operator's
+    own precision (at least float32 for the set-up)."""
+    own = jnp.result_type(*operator.entries.values())
+    if jnp.finfo(own).bits < 32:
+        raise TypeError(f"`operator` has {jnp.dtype(own).name} coefficients; multigrid's "
+                        "set-up needs float32 or wider. Build the operator in float32 and "
+                        f"pass `storage_dtype=jnp.{jnp.dtype(own).name}` to store the hierarchy "
+                        "in half precision (the cycle computes in float32).")
+    if dtype is not None:
+        dtype = _cycle_dtype(dtype, own)
+    if storage_dtype is not None:
+        storage_dtype = _storage_dtype(storage_dtype, dtype or own)
+    return dtype, storage_dtype
+
+
+def _stored_as(levels: list, dtype) -> list:
+    """The levels with their coefficients and interpolation weights stored in
+    `dtype` (checked to hold them: `_check_storage_range`); their `lambda_max`
+    stays as computed."""
+    _check_storage_range(levels, dtype)
+
+    def narrow(w):
+        return w.astype(dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w
+
+    return [_Level(lv.op.astype(dtype), lv.lmax, jax.tree_util.tree_map(narrow, lv.transfer))
+            for lv in levels]
 
 
 def _check_storage_range(levels: list, dtype) -> None:

@@ -31,7 +31,6 @@ class _State(NamedTuple):
     rnorm: jax.Array
     xnorm: jax.Array
     k: jax.Array  # refinement steps taken
-    inner: jax.Array  # inner iterations, summed
     status: jax.Array
     history: jax.Array | None
 
@@ -52,6 +51,21 @@ def _inner_operator(problem: Problem, inner_dtype):
     return inner
 
 
+def _inner_precond(problem: Problem):
+    """The preconditioner as given (its precision is its own: see
+    `mixed_precision`), fed and read back in the inner precision; None
+    without one."""
+    M, b = problem.precond, problem.b
+    if M is None:
+        return None
+
+    def precond(v):
+        out = M(tree.tree_map(lambda u, like: u.astype(like.dtype), v, b))
+        return tree.tree_map(lambda o, u: o.astype(u.dtype), out, v)
+
+    return precond
+
+
 def _run(problem: Problem, *, solver, inner_dtype, inner_rtol: float, max_refinements: int,
          record_history: bool) -> Outcome:
     """Refinement steps until the true residual meets the tolerance, stops
@@ -61,16 +75,7 @@ def _run(problem: Problem, *, solver, inner_dtype, inner_rtol: float, max_refine
     real = problem.real_dtype()
     inner_A = _inner_operator(problem, inner_dtype)
     inner_ip = jax.tree_util.tree_map(lambda w: _precision.cast(w, inner_dtype), ip)
-    precond = None
-    if problem.precond is not None:
-        M = problem.precond
-
-        def precond(v, M=M):
-            # the preconditioner as given (its precision is its own: see
-            # `mixed_precision`), fed and read back in the inner precision
-            out = M(tree.tree_map(lambda u, like: u.astype(like.dtype), v, b))
-            return tree.tree_map(lambda o, u: o.astype(u.dtype), out, v)
-
+    precond = _inner_precond(problem)
     with jax.named_scope("solvax.refinement.setup"):
         x, r = problem.residual()
         bb, rr, xx = jnp.real(ip.multi_dot([(b, b), (r, r), (x, x)]))
@@ -84,7 +89,7 @@ def _run(problem: Problem, *, solver, inner_dtype, inner_rtol: float, max_refine
     status = first_status([(~jnp.isfinite(rr), Status.NONFINITE), (rnorm <= tol, Status.CONVERGED)],
                           RUNNING)
     st = _State(x=x, r=r, rnorm=rnorm, xnorm=_reduce.real_sqrt(xx), k=jnp.int32(0),
-                inner=jnp.int32(0), status=status, history=history)
+                status=status, history=history)
 
     def body(st: _State) -> _State:
         scale = jnp.where(st.rnorm > 0, st.rnorm, 1)
@@ -110,9 +115,8 @@ def _run(problem: Problem, *, solver, inner_dtype, inner_rtol: float, max_refine
         history = None if st.history is None else st.history.at[st.k + 1].set(rnorm)
         keep = (rnorm <= tol) | taken
         new = _State(x=x, r=r, rnorm=rnorm, xnorm=_reduce.real_sqrt(xx), k=st.k + 1,
-                     inner=st.inner + sol.iterations, status=status, history=history)
-        old = st._replace(k=st.k + 1, inner=st.inner + sol.iterations, status=status,
-                          history=history)
+                     status=status, history=history)
+        old = st._replace(k=st.k + 1, status=status, history=history)
         return jax.tree_util.tree_map(lambda n, o: jnp.where(keep, n, o), new, old)
 
     st = _method.while_loop(ip, b, lambda st: (st.status == RUNNING) & (st.k < max_refinements),
