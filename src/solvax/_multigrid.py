@@ -451,8 +451,12 @@ def _ritz_values(op: StencilOperator, steps: int):
     """The extreme Ritz values of `steps` Lanczos steps on `D^{-1/2} A D^{-1/2}`
     (the spectrum of `D^{-1} A`) from a fixed rough start (set-up only)."""
     diag = op.diagonal()
-    v = jnp.asarray(np.sin(np.arange(math.prod(op.shape)) * 2.399963 + 0.3).reshape(op.shape),
-                    diag.dtype)
+    # computed in the program from an index, not embedded: a constant of the
+    # grid's size (2 MB for a 512^2 level) made the program text 6 MB and
+    # its compile slower
+    dtype = jnp.abs(diag).dtype
+    index = jax.lax.iota(jnp.int32, math.prod(op.shape)).reshape(op.shape).astype(dtype)
+    v = jnp.sin(index * 2.399963 + 0.3).astype(diag.dtype)
     v = v + 0 * diag   # shaped, sharded (and in a shard_map block, varying) like the grid
     root = jnp.sqrt(jnp.abs(1 / diag))
     names = tuple(name for name in op.axis_names if name is not None)
