@@ -13,7 +13,7 @@ One device, float64, no preconditioner unless said. Parts (`--only`):
   the solve's accepted Arnoldi steps plus, for a handed-on space, the `k`
   matvecs of its refresh.
 - `symmetric`: the same sequence without convection: `pcg` with Jacobi,
-  alone and recycled (deflated CG, `recycle_size=k`, k = 10 and 20: matvecs
+  alone and recycled (deflated CG, `recycle_size=k`, k = 10, 20 and 40: matvecs
   include the k that make a handed-on space A-orthonormal), against `gcrot`
   recycled.
 - `adjoint`: the transposed solve of the last step's system for a loss of
@@ -21,7 +21,7 @@ One device, float64, no preconditioner unless said. Parts (`--only`):
   runs with `adjoint_recycle=True`).
 - `symmetric_adjoint`: the transposed solve of the last symmetric step
   (pcg + Jacobi) cold, against handed the space the recycled sequence ended
-  with (k = 20).
+  with (k = 40).
 - `newton`: Bratu 128^2 (lambda = 6), `newton_krylov` with its default
   BiCGStab and with `solver="gcrot"` (the space handed between Newton
   steps), no preconditioner: total inner iterations and time.
@@ -129,7 +129,7 @@ def _methods(n, velocity, m_k):
         out["gmres(30)"] = (lambda t, u, _: (*gmres(t, u), None), 0)
     else:
         out["pcg + jacobi"] = (lambda t, u, _: (*pcg(t, u), None), 0)
-        for k in (10, 20):
+        for k in (10, 20, 40):
             first, later = deflated(k)
             out[f"pcg + jacobi, recycled k={k}"] = (
                 lambda t, u, s, f=first, g=later: f(t, u) if s is None else g(t, u, s), k)
@@ -188,7 +188,7 @@ def adjoint(small):
     return out
 
 
-def symmetric_adjoint(small, k=20):
+def symmetric_adjoint(small, k=40):
     """The gradient of a loss of the last step's solution of the symmetric
     sequence: its transposed solve (pcg + Jacobi) cold, against handed the
     space the recycled sequence ended with (what `jax.grad` of a recycled
