@@ -17,8 +17,11 @@ relative residual of 1e-8 (checked on the returned x). Parts (`--only`):
   operator, strength 10) with `gmres` and `bicgstab`.
 - `blocks`: random blocks of contrast 1e4 (16^2, 8^2, 4^2 cells at 256^2
   and 512^2, 8^3 and 4^3 at 64^3) with the default hierarchy, the `"full"`
-  interpolation, and `"full"` with multicolour Gauss-Seidel and W-cycles,
-  beside pyamg's Ruge-Stueben and smoothed aggregation.
+  interpolation, `"full"` with multicolour Gauss-Seidel and W-cycles, and
+  `"full"` with Gauss-Seidel (V and W) down to a 128^2 / 16^3 coarsest level
+  solved by lines (`coarse="lines", coarse_size=16384`, timed with the
+  set-up), beside pyamg's Ruge-Stueben (timed: set-up + solve) and smoothed
+  aggregation.
 - `cycles`: V, W and F cycles on Poisson and a log-normal field at 256^2,
   preconditioning CG (GMRES for the F-cycle) and alone (`multigrid_solve`):
   iterations and warm time.
@@ -80,13 +83,18 @@ def rhs(shape, dtype=jnp.float64, seed=0):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
-def mg_solve(op, b, solver=sx.pcg, **options):
-    """Iterations and true residual of `solver(op, b, precond=multigrid(op))`."""
+def mg_solve(op, b, solver=sx.pcg, timed=False, **options):
+    """Iterations and true residual of `solver(op, b, precond=multigrid(op))`;
+    `timed`: also its warm time with the set-up (median of 3)."""
     mg = sx.multigrid(op, **options)
     sol = jax.jit(lambda m, b: solver(op, b, precond=m, rtol=RTOL, atol=0.0))(mg, b)
-    return dict(iterations=int(sol.iterations), status=sx.Status(int(sol.status)).name,
-                residual=relative_residual(op, sol.x, b), levels=len(mg.shapes),
-                coarsest=list(mg.shapes[-1]))
+    out = dict(iterations=int(sol.iterations), status=sx.Status(int(sol.status)).name,
+               residual=relative_residual(op, sol.x, b), levels=len(mg.shapes),
+               coarsest=list(mg.shapes[-1]))
+    if timed:   # the operator an argument: the set-up runs in every call
+        out["seconds"] = median_time(lambda op, b: solver(
+            op, b, precond=sx.multigrid(op, **options), rtol=RTOL, atol=0.0).x, op, b, repeats=3)
+    return out
 
 
 def pyamg_solve(op, b, method="ruge_stuben"):
@@ -183,9 +191,18 @@ def nonsymmetric(small):
 
 
 # the random-block family (issue 39): the configurations measured beside pyamg
+# the hierarchy stopped at a 128^2 (2-D) or 16^3 (3-D) coarsest level solved by
+# block LU along grid lines: its grids never get much coarser than the blocks
+LINES = dict(coarse="lines", coarse_size=16384)
 BLOCK_CONFIGS = {"default": {}, "full": dict(interpolation="full"),
                  "full, Gauss-Seidel, W": dict(interpolation="full", smoother="gauss_seidel",
-                                               cycle="W")}
+                                               cycle="W"),
+                 "full, Gauss-Seidel, lines": dict(interpolation="full", smoother="gauss_seidel",
+                                                   **LINES),
+                 "full, Gauss-Seidel, W, lines": dict(interpolation="full",
+                                                      smoother="gauss_seidel", cycle="W", **LINES)}
+# configurations timed (warm, set-up included) beside pyamg's set-up + solve
+TIMED_BLOCK_CONFIGS = ("full, Gauss-Seidel, lines", "full, Gauss-Seidel, W, lines")
 
 
 def random_blocks(shape, size, seed=0, contrast=1e4):
@@ -212,13 +229,16 @@ def blocks(small):
         b = rhs(shape)
         row = dict(shape=list(shape), block=size)
         for name, options in BLOCK_CONFIGS.items():
-            row[name] = mg_solve(op, b, **options)
+            row[name] = mg_solve(op, b, timed=name in TIMED_BLOCK_CONFIGS, **options)
         row["pyamg_rs"] = pyamg_solve(op, b)
         row["pyamg_sa"] = pyamg_solve(op, b, method="smoothed_aggregation")
         rows.append(row)
         print(f"{str(shape):14s} blocks of {size:2d}: " + ", ".join(
             f"{name} {row[name]['iterations']}" for name in BLOCK_CONFIGS)
-            + f"; pyamg RS {row['pyamg_rs']['iterations']}, SA {row['pyamg_sa']['iterations']}",
+            + f"; pyamg RS {row['pyamg_rs']['iterations']}, SA {row['pyamg_sa']['iterations']}"
+            + "; time (s, set-up included) " + ", ".join(
+                f"{name} {row[name]['seconds']:.3f}" for name in TIMED_BLOCK_CONFIGS)
+            + f", pyamg RS {row['pyamg_rs']['setup_s'] + row['pyamg_rs']['solve_s']:.3f}",
             flush=True)
     return rows
 

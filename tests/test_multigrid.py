@@ -425,3 +425,117 @@ def test_full_interpolation_on_small_blocks():
         assert bool(sol.converged)
         counts[interpolation] = int(sol.iterations)
     assert counts["full"] < counts["collapsed"], counts
+
+
+def _convection(shape, boundary):
+    """A nonsymmetric 3^d-point stencil (diffusion plus upwind convection)."""
+    A = sx.diffusion_operator(field(shape, 3), boundary=boundary, shift=0.1)
+    entries = dict(A.entries)
+    entries[(0,) * len(shape)] = entries[(0,) * len(shape)] + 0.5
+    entries[(-1,) + (0,) * (len(shape) - 1)] = entries[(-1,) + (0,) * (len(shape) - 1)] - 0.5
+    return sx.stencil_operator(entries, boundary=boundary)
+
+
+@pytest.mark.parametrize("shape, boundary", [
+    ((16, 12), "dirichlet"), ((12, 16), ("periodic", "neumann")),
+    ((7, 6, 10), ("dirichlet", "periodic", "neumann"))])
+def test_a_coarsest_level_solved_by_lines_is_exact(shape, boundary):
+    """`coarse="lines"`: block LU along the longest non-periodic axis solves
+    the coarsest level exactly (one level: the operator itself, a
+    nonsymmetric one too), and inside a hierarchy the cycle is the one with
+    the dense inverse (so SPD for an SPD operator)."""
+    rng = np.random.default_rng(5)
+    r = jnp.asarray(rng.standard_normal(shape))
+    size = int(np.prod(shape))
+    for op in (sx.diffusion_operator(field(shape), boundary=boundary, shift=0.1),
+               _convection(shape, boundary)):
+        lines = sx.multigrid(op, coarse="lines", coarse_size=size, max_levels=1)
+        assert lines.coarse == "lines" and lines.shapes == [shape]
+        z = lines(r)
+        assert float(jnp.max(jnp.abs(op(z) - r))) < 1e-11 * float(jnp.max(jnp.abs(r)))
+    A = sx.diffusion_operator(field(shape), boundary=boundary, shift=0.1)
+    direct, lines = (sx.multigrid(A, coarse=c, coarse_size=24) for c in ("direct", "lines"))
+    assert len(lines.shapes) > 1 and lines.shapes == direct.shapes
+    np.testing.assert_allclose(lines(r), direct(r), rtol=1e-10, atol=1e-12)
+
+
+def test_lines_stop_the_hierarchy_before_the_blocks_and_keep_it_robust():
+    """Random blocks of 4 x 4 cells jumping by 1e4 on a 64^2 grid: with the
+    coarsest level 32^2 solved by lines, CG needs at most half the
+    iterations of the default hierarchy down to 8^2. A singular coarsest
+    level (pure Neumann) has no exact factorization: the solve either still
+    meets its tolerance on the true residual or says it did not."""
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(np.kron(np.where(rng.random((16, 16)) < 0.5, 1e4, 1.0), np.ones((4, 4))))
+    A = sx.diffusion_operator(k)
+    b = jnp.asarray(rng.standard_normal(k.shape))
+    solve = jax.jit(lambda m, b: sx.pcg(A, b, precond=m, rtol=1e-8))
+    default, lines = (solve(m, b) for m in (
+        sx.multigrid(A), sx.multigrid(A, coarse="lines", coarse_size=1024)))
+    assert bool(default.converged) and bool(lines.converged)
+    assert 2 * int(lines.iterations) <= int(default.iterations), (lines.iterations,
+                                                                  default.iterations)
+    neumann = sx.diffusion_operator(k, boundary="neumann")
+    consistent = b - jnp.mean(b)
+    sol = sx.pcg(neumann, consistent,
+                 precond=sx.multigrid(neumann, coarse="lines", coarse_size=1024), rtol=1e-8)
+    residual = float(jnp.linalg.norm(neumann(sol.x) - consistent) / jnp.linalg.norm(consistent))
+    assert residual <= 1e-8 if bool(sol.converged) else int(sol.status) != sx.Status.CONVERGED
+
+
+def test_a_sharded_grid_gathers_its_line_solved_coarsest_level_once_per_cycle():
+    """On 8 devices (rows split): a cycle with a 32^2 coarsest level solved by
+    lines has no all-reduce, one all-gather of the coarsest grid, the solve
+    keeps the sharding and takes the iterations of one device; inside
+    `shard_map` the solve matches the whole grid's."""
+    mesh = Mesh(np.array(jax.devices()), ("i",))
+    shape, sharding = (64, 64), NamedSharding(mesh, P("i", None))
+    k = jax.device_put(field(shape), sharding)
+    b = jax.device_put(jnp.asarray(np.random.default_rng(4).standard_normal(shape)), sharding)
+    mg = sx.multigrid(sx.diffusion_operator(k), coarse="lines", coarse_size=1024)
+    assert mg.shapes[-1] == (32, 32)
+    cycle = sx.count_collectives(lambda m, r: m(r), mg, b)
+    assert set(cycle.by_kind) <= {"all-gather", "collective-permute"}, str(cycle)
+    assert cycle.count("all-gather") == 1
+
+    def solve(k, b):
+        A = sx.diffusion_operator(k)
+        return sx.pcg(A, b, precond=sx.multigrid(A, coarse="lines", coarse_size=1024),
+                      rtol=1e-10)
+
+    # set-up inside the program: an iteration gathers the coarsest grid once
+    # (never the factors) and all-reduces as Jacobi-CG does
+    report = sx.count_collectives(lambda k, b: solve(k, b).x, k, b)
+    assert report.step_count("all-gather") == 1 and report.step_count("all-reduce") == 2, (
+        str(report))
+    sol = jax.jit(solve)(k, b)
+    assert bool(sol.converged) and sol.x.sharding.is_equivalent_to(sharding, 2)
+    one = jax.jit(solve)(jnp.asarray(np.asarray(k)), jnp.asarray(np.asarray(b)))
+    assert abs(int(sol.iterations) - int(one.iterations)) <= 1
+
+    def local(k, b):
+        A = sx.diffusion_operator(k, axis_names=("i", None))
+        mg = sx.multigrid(A, coarse="lines", coarse_size=1024)
+        return sx.pcg(A, b, precond=mg, rtol=1e-10, axis_name="i").x
+
+    x = jax.jit(sx.shard_map(local, mesh=mesh, in_specs=(P("i", None),) * 2,
+                             out_specs=P("i", None)))(k, b)
+    assert float(jnp.max(jnp.abs(x - one.x))) < 1e-8
+
+
+def test_coarse_lines_input_is_checked():
+    periodic = sx.diffusion_operator(1.0, shape=(8, 8), boundary="periodic", shift=1.0)
+    with pytest.raises(ValueError, match='every axis of this operator is periodic.*"direct"'):
+        sx.multigrid(periodic, coarse="lines")
+    A = sx.diffusion_operator(1.0, shape=(80, 80))
+    with pytest.raises(ValueError, match='at most 4096 with `coarse="direct"`.*"lines"'):
+        sx.multigrid(A, coarse_size=5000)
+    with pytest.raises(ValueError, match="at most 65536"):
+        sx.multigrid(A, coarse="lines", coarse_size=70000)
+    # the nearest valid inputs: one periodic axis, a large line-solved level,
+    # the largest coarse size a dense inverse takes
+    assert sx.multigrid(sx.diffusion_operator(1.0, shape=(8, 8), boundary=(
+        "periodic", "dirichlet"), shift=1.0), coarse="lines").coarse == "lines"
+    assert sx.multigrid(A, coarse="lines", coarse_size=6400).shapes == [(80, 80)]
+    assert sx.multigrid(sx.diffusion_operator(1.0, shape=(8, 8)), coarse_size=4096).shapes == [
+        (8, 8)]

@@ -157,9 +157,9 @@ def _structured_cases(mesh: Mesh, n: int, put, rng) -> dict[str, tuple[Callable,
     }
 
 
-def _multigrid_cg(k, b, coarse="direct", **options):
+def _multigrid_cg(k, b, coarse="direct", coarse_size=64, **options):
     A = diffusion_operator(k)
-    return pcg(A, b, precond=multigrid(A, coarse=coarse), **options).x
+    return pcg(A, b, precond=multigrid(A, coarse=coarse, coarse_size=coarse_size), **options).x
 
 
 def _multigrid_cycles(k, b):
@@ -192,6 +192,9 @@ def _multigrid_cases(mesh: Mesh, rng) -> dict[str, tuple[Callable, tuple]]:
                     functools.partial(_multigrid_cg, **options), (k, b))
             cases[f"multigrid-preconditioned CG, Chebyshev coarsest level, 64x64 grid "
                   f"{label}"] = (functools.partial(_multigrid_cg, coarse="chebyshev"), (k, b))
+            cases[f"multigrid-preconditioned CG, 32x32 coarsest level solved by lines, 64x64 "
+                  f"grid {label}"] = (functools.partial(_multigrid_cg, coarse="lines",
+                                                        coarse_size=1024), (k, b))
             cases[f"multigrid_solve (V-cycles alone), 64x64 grid {label}"] = (
                 _multigrid_cycles, (k, b))
     return cases
