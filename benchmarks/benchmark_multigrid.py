@@ -18,8 +18,9 @@ relative residual of 1e-8 (checked on the returned x). Parts (`--only`):
 - `blocks`: random blocks of contrast 1e4 (16^2, 8^2, 4^2 cells at 256^2
   and 512^2, 8^3 and 4^3 at 64^3) with the default hierarchy, the `"full"`
   interpolation, `"full"` with multicolour Gauss-Seidel and W-cycles, and
-  `"full"` with Gauss-Seidel (V and W) down to a 128^2 / 16^3 coarsest level
-  solved by lines (`coarse="lines", coarse_size=16384`, timed with the
+  `"full"` with Gauss-Seidel (V and W) down to a coarsest level of spacing 4
+  cells (the smallest blocks: `size / 4^d` points, 64^2 at 256^2, 128^2 at
+  512^2, 16^3 at 64^3) solved by lines (`coarse="lines"`, timed with the
   set-up), beside pyamg's Ruge-Stueben (timed: set-up + solve) and smoothed
   aggregation.
 - `cycles`: V, W and F cycles on Poisson and a log-normal field at 256^2,
@@ -29,7 +30,8 @@ relative residual of 1e-8 (checked on the returned x). Parts (`--only`):
   coefficient field is an argument of the jitted function, so the hierarchy
   is built in every call): solvax's multigrid-preconditioned CG against
   pyamg's Ruge-Stueben set-up + CG solve and against `pcg` without a
-  preconditioner; solvax's compile time.
+  preconditioner; solvax's compile time; the same with the coarsest level
+  (at most 4096 points) solved by lines (`coarse="lines"`).
 
 `--small` runs every part on grids of at most 32^2 / 8^3 (a smoke test).
 """
@@ -191,9 +193,10 @@ def nonsymmetric(small):
 
 
 # the random-block family (issue 39): the configurations measured beside pyamg
-# the hierarchy stopped at a 128^2 (2-D) or 16^3 (3-D) coarsest level solved by
-# block LU along grid lines: its grids never get much coarser than the blocks
-LINES = dict(coarse="lines", coarse_size=16384)
+# the hierarchy stopped where its grid spacing reaches the smallest blocks (4
+# cells: a coarsest level of size / 4^d points) and that level solved by block
+# LU along grid lines (`coarse_size` filled in per grid in `blocks`)
+LINES = dict(coarse="lines")
 BLOCK_CONFIGS = {"default": {}, "full": dict(interpolation="full"),
                  "full, Gauss-Seidel, W": dict(interpolation="full", smoother="gauss_seidel",
                                                cycle="W"),
@@ -229,6 +232,8 @@ def blocks(small):
         b = rhs(shape)
         row = dict(shape=list(shape), block=size)
         for name, options in BLOCK_CONFIGS.items():
+            if options.get("coarse") == "lines":
+                options = dict(options, coarse_size=max(1, math.prod(shape) // 4 ** len(shape)))
             row[name] = mg_solve(op, b, timed=name in TIMED_BLOCK_CONFIGS, **options)
         row["pyamg_rs"] = pyamg_solve(op, b)
         row["pyamg_sa"] = pyamg_solve(op, b, method="smoothed_aggregation")
@@ -326,6 +331,28 @@ def timing(small):
           f"iterations, residual {out['mg_f32_cycle_residual']:.1e}): "
           f"{out['mg_f32_cycle_vs_pyamg']:.2f}x pyamg, {out['cg_vs_mg_f32_cycle']:.0f}x faster "
           "than CG", flush=True)
+    out.update(_lines_timing(k, b, repeats))
+    return out
+
+
+def _lines_timing(k, b, repeats):
+    """Compile, warm time and iterations of MG-CG with a coarsest level of at
+    most 4096 points solved by lines (fewer levels: a shorter program)."""
+    coarse_size = min(4096, k.size // 16)
+
+    def mg_lines(k, b):
+        op = sx.diffusion_operator(k)
+        return sx.pcg(op, b, precond=sx.multigrid(op, coarse="lines", coarse_size=coarse_size),
+                      rtol=RTOL, atol=0.0)
+
+    start = time.perf_counter()
+    compiled = jax.jit(mg_lines).lower(k, b).compile()
+    out = dict(mg_lines_compile_s=time.perf_counter() - start,
+               mg_lines_iterations=int(compiled(k, b).iterations),
+               mg_lines_s=median_time(mg_lines, k, b, repeats=repeats))
+    print(f"  with the coarsest level ({coarse_size} points at most) solved by lines: "
+          f"{out['mg_lines_s']:.3f} s ({out['mg_lines_iterations']} iterations; compile "
+          f"{out['mg_lines_compile_s']:.1f} s)", flush=True)
     return out
 
 
