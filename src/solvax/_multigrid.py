@@ -569,7 +569,7 @@ class _Lines:
             lambda a: a.astype(grid.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else a,
             self.factors)
         z = _block_tridiagonal.block_tridiagonal_solve_factored(
-            factors, planes.reshape(planes.shape[0], -1))
+            factors, planes.reshape(planes.shape[0], math.prod(planes.shape[1:])))
         return jnp.moveaxis(z.reshape(planes.shape), 0, self.axis)
 
 
@@ -585,7 +585,7 @@ def _line_axis(boundary: tuple, shape: tuple | None = None) -> int | None:
 def _in_plane_shift(shape: tuple, offset: tuple, boundary: tuple) -> np.ndarray:
     """The 0/1 matrix `S` with `(S x)[q] = x[q + offset]` on a grid of `shape`
     (flattened), zero past a Dirichlet edge, wrapped on a periodic axis."""
-    index = np.indices(shape).reshape(len(shape), -1)
+    index = np.indices(shape).reshape(len(shape), math.prod(shape))
     target = index + np.asarray(offset, dtype=int)[:, None]
     inside = np.ones(index.shape[1], bool)
     for a, (n, b) in enumerate(zip(shape, boundary)):
@@ -616,7 +616,7 @@ def _line_factors(op: StencilOperator) -> _Lines:
     dtype = jnp.result_type(*form.stored.values())
     blocks = {s: jnp.zeros((op.shape[axis], m, m), dtype) for s in (-1, 0, 1)}
     for o, c in form.entries.items():
-        rows = jnp.moveaxis(jnp.broadcast_to(c, op.shape), axis, 0).reshape(-1, m)
+        rows = jnp.moveaxis(jnp.broadcast_to(c, op.shape), axis, 0).reshape(op.shape[axis], m)
         shift = _in_plane_shift(plane, tuple(o[a] for a in others),
                                 tuple(form.boundary[a] for a in others))
         blocks[o[axis]] = blocks[o[axis]] + rows[:, :, None] * jnp.asarray(shift, dtype)
@@ -630,7 +630,7 @@ def _replicated(x):
     (factors computed from a grid still split across devices came out split
     too, and every cycle gathered them again: 256 KB per cycle for a 32^2
     level on 8 devices)."""
-    rows = x.reshape(x.shape[0], -1)
+    rows = x.reshape(x.shape[0], math.prod(x.shape[1:]))
     eye = jnp.eye(rows.shape[0], dtype=x.dtype)
     solved = jax.lax.linalg.triangular_solve(eye, rows, left_side=True, lower=True)
     return solved.reshape(x.shape)
