@@ -15,6 +15,10 @@ documentation site shows to `--out` (default: docs/figures):
   condition-2e8 problem, one color per basis, one line style per s.
 - `latency.png`: what does one synchronization buy on a latency-bound mesh?
   Time per iteration of each CG and BiCGStab variant, with its all-reduces.
+- `recycling.png`: what does a recycled space save along a sequence of
+  systems? Matvecs per system of the nonsymmetric and the symmetric
+  sequence (`recycling.json`, `recycling_symmetric.json`), one line per
+  method.
 
 The horizontal axis of the residual histories is operator applications
 (matvecs), so methods with different work per step compare fairly: a run's
@@ -188,6 +192,28 @@ def latency(results_dir, path):
                 f"jax {meta['jax']}, {meta['cpu_count']} CPUs.", 0.04)
 
 
+def recycling(results_dir, path):
+    """Matvecs per system along each sequence, one line per method."""
+    parts = [("nonsymmetric (convection-diffusion)",
+              load(results_dir / "recycling.json")["sequence"]),
+             ("symmetric (diffusion)", load(results_dir / "recycling_symmetric.json")["symmetric"])]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.0))
+    for ax, (title, part) in zip(axes, parts):
+        for name, row in part["rows"].items():
+            style = "--" if "cold" in name else "-"
+            ax.plot(range(1, len(row["per_system"]) + 1), row["per_system"], style, marker=".",
+                    label=f"{name}: {row['matvecs']} ({row['matvecs_ratio']:.2f}x)")
+        ax.set_title(f"{title}, {part['n']}^2, {part['steps']} backward-Euler steps", fontsize=8)
+        ax.set_xlabel("system of the sequence", fontsize=7)
+        ax.set_ylabel("matvecs (with a handed-on space's refresh)", fontsize=7)
+        ax.set_ylim(bottom=0)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6)
+    return save(fig, path, "What does a recycled space save along a sequence? Each solve to "
+                "rtol 1e-8 from the previous step's solution; legend: total matvecs and the "
+                "ratio to the first method. One CPU device, float64.", 0.04)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=str(HERE / "results"))
@@ -200,7 +226,8 @@ def main():
     for path in (preconditioners(runs, meta, out / "convergence_preconditioners.png"),
                  variants(runs, meta, out / "convergence_variants.png"),
                  sstep(runs, meta, out / "convergence_sstep.png"),
-                 latency(results_dir, out / "latency.png")):
+                 latency(results_dir, out / "latency.png"),
+                 recycling(results_dir, out / "recycling.png")):
         print(f"wrote {path}")
 
 

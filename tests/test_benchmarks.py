@@ -155,7 +155,7 @@ def test_benchmark_structured_small(tmp_path):
 def test_plot_results_draws_every_figure_from_the_saved_results(tmp_path):
     out = run("plot_results.py", "--out", str(tmp_path))
     names = ["convergence_preconditioners.png", "convergence_variants.png",
-             "convergence_sstep.png", "latency.png"]
+             "convergence_sstep.png", "latency.png", "recycling.png"]
     assert all((tmp_path / name).stat().st_size > 10_000 for name in names), out
 
 
