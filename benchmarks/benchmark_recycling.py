@@ -9,7 +9,7 @@ One device, float64, no preconditioner unless said. Parts (`--only`):
   `k = 1 + 0.5 sin(2 pi (x + y) + 0.3 t)` changing every step, each solve
   to rtol 1e-8 from the previous step's solution: `gmres(restart=30)`,
   `gcrot` with its space dropped between systems ("cold") and handed on
-  ("recycled"), for (m, k) = (30, 10) and (40, 20). Matvecs per system are
+  ("recycled"), for (m, k) = (30, 10), (40, 20) and (60, 40). Matvecs per system are
   the solve's accepted Arnoldi steps plus, for a handed-on space, the `k`
   matvecs of its refresh.
 - `symmetric`: the same sequence without convection: `pcg` with Jacobi,
@@ -161,7 +161,7 @@ def _part(small, velocity, m_k):
 
 
 def sequence(small):
-    return _part(small, VELOCITY, ((30, 10), (40, 20)))
+    return _part(small, VELOCITY, ((30, 10), (40, 20), (60, 40)))
 
 
 def symmetric(small):
@@ -175,7 +175,7 @@ def adjoint(small):
     w = jnp.cos(jnp.arange(n * n).reshape(n, n) / n)
     At = jax.linear_transpose(A, b)
     out = {}
-    for m, k in ((30, 10), (40, 20)):
+    for m, k in ((30, 10), (40, 20), (60, 40)):
         forward = jax.jit(lambda b, m=m, k=k: sx.gcrot(A, b, m=m, k=k, rtol=RTOL))(b)
         cold = jax.jit(lambda w, m=m, k=k: sx.gcrot(lambda v: At(v)[0], w, m=m, k=k, rtol=RTOL))(w)
         warm = jax.jit(lambda w, s, m=m, k=k: sx.gcrot(lambda v: At(v)[0], w, m=m, k=k, rtol=RTOL,
