@@ -746,11 +746,13 @@ class Multigrid:
             lmin, lmax = (jnp.asarray(v).astype(jnp.abs(r).dtype) for v in self.coarse_bounds)
             return self._chebyshev(level, None, r, lmin, lmax, self.coarse_degree)
         if k == len(self.levels) - 1 and isinstance(self.coarse_inverse, _Lines):
-            # gathered inside shard_map, replicated under jit (a partitioned
-            # scan over the planes failed to compile on JAX 0.4.38), as below
+            # gathered inside shard_map; under jit its input and its result
+            # replicated (XLA's partitioner otherwise split the scan over the
+            # planes to match the sharded result, which JAX 0.4.38 failed to
+            # compile), as below
             names = self.levels[-1].op.axis_names
             grid = _replicated(_gather(r, names))
-            return _own_block(self.coarse_inverse(grid), r.shape, names)
+            return _own_block(_replicated(self.coarse_inverse(grid)), r.shape, names)
         if k == len(self.levels) - 1:
             inverse = self.coarse_inverse.astype(r.dtype)
             # a triangular solve with the identity: XLA's partitioner gives
