@@ -500,7 +500,7 @@ def pcg(
     A-orthonormal for the new operator. From `recycle_size=k` alone the
     space starts empty (no deflation in that first solve). Derivatives hand
     the space to the transposed solve. (Saad, Yeung, Erhel, Guyomarc'h,
-    SIAM J. Sci. Comput. 21, 2000.) Memory: `10 k + 2` vectors more.
+    SIAM J. Sci. Comput. 21, 2000.) Memory: `14 k + 2` vectors more.
 
     `method="s_step"` is s-step (communication-avoiding) CG: each outer step
     builds `s` Krylov vectors with a polynomial basis (`basis`: Chebyshev or

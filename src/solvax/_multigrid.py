@@ -573,13 +573,12 @@ class _Lines:
         return jnp.moveaxis(z.reshape(planes.shape), 0, self.axis)
 
 
-def _line_axis(boundary: tuple, shape: tuple | None = None) -> int | None:
+def _line_axis(boundary: tuple, shape: tuple) -> int | None:
     """The axis `coarse="lines"` factors along: the longest one that is not
-    periodic (the fewest points per plane: the least memory and work)."""
+    periodic (the fewest points per plane: the least memory and work), None
+    if every axis is periodic."""
     able = [a for a, b in enumerate(boundary) if b != "periodic"]
-    if not able:
-        return None
-    return max(able, key=lambda a: shape[a]) if shape else able[0]
+    return max(able, key=lambda a: shape[a]) if able else None
 
 
 def _in_plane_shift(shape: tuple, offset: tuple, boundary: tuple) -> np.ndarray:
@@ -604,7 +603,7 @@ def _in_plane_shift(shape: tuple, offset: tuple, boundary: tuple) -> np.ndarray:
 def _line_factors(op: StencilOperator) -> _Lines:
     """`_Lines` for the coarsest operator (the whole grid): its stencil in
     Dirichlet form (Neumann edges folded in) written as the blocks of the
-    planes along the first non-periodic axis, factored once."""
+    planes along its longest non-periodic axis, factored once."""
     form = _dirichlet_form(op)
     form = StencilOperator({o: _replicated(jnp.broadcast_to(c, op.shape))
                             for o, c in form.stored.items()},
@@ -626,10 +625,11 @@ def _line_factors(op: StencilOperator) -> _Lines:
 
 def _replicated(x):
     """`x` held whole by every device of a sharded grid under `jit`: an
-    identity triangular solve, whose operands XLA's partitioner replicates
-    (factors computed from a grid still split across devices came out split
-    too, and every cycle gathered them again: 256 KB per cycle for a 32^2
-    level on 8 devices)."""
+    identity triangular solve along its leading axis, whose operands XLA's
+    partitioner replicates (the coarsest grid in a cycle; the coefficients
+    the line factors are computed from: factors computed from a grid still
+    split across devices came out split too, and every cycle gathered them
+    again, 256 KB per cycle for a 32^2 level on 8 devices)."""
     rows = x.reshape(x.shape[0], math.prod(x.shape[1:]))
     eye = jnp.eye(rows.shape[0], dtype=x.dtype)
     solved = jax.lax.linalg.triangular_solve(eye, rows, left_side=True, lower=True)
@@ -745,27 +745,8 @@ class Multigrid:
             level = self.levels[-1]
             lmin, lmax = (jnp.asarray(v).astype(jnp.abs(r).dtype) for v in self.coarse_bounds)
             return self._chebyshev(level, None, r, lmin, lmax, self.coarse_degree)
-        if k == len(self.levels) - 1 and isinstance(self.coarse_inverse, _Lines):
-            # gathered inside shard_map; under jit its input and its result
-            # replicated (XLA's partitioner otherwise split the scan over the
-            # planes to match the sharded result, which JAX 0.4.38 failed to
-            # compile), as below
-            names = self.levels[-1].op.axis_names
-            grid = _replicated(_gather(r, names))
-            return _own_block(_replicated(self.coarse_inverse(grid)), r.shape, names)
         if k == len(self.levels) - 1:
-            inverse = self.coarse_inverse.astype(r.dtype)
-            # a triangular solve with the identity: XLA's partitioner gives
-            # it a replicated operand, so the coarsest grid is gathered once
-            # (a product with a sharded vector would be partial sums and an
-            # all-reduce on a two-axis mesh)
-            names = self.levels[-1].op.axis_names
-            grid = _gather(r, names)      # inside shard_map: the whole coarsest grid
-            eye = jnp.eye(inverse.shape[0], dtype=r.dtype)
-            whole = jax.lax.linalg.triangular_solve(eye, grid.reshape(inverse.shape[0], 1),
-                                                    left_side=True, lower=True)
-            z = (inverse @ whole)[:, 0].reshape(grid.shape)
-            return _own_block(z, r.shape, names)
+            return self._solve_coarsest(r)
         level, coarse = self.levels[k], self.levels[k + 1]
         keep = functools.partial(_computed, level.lmax)
         x = self._smooth(level, None, r, post=False)
@@ -777,6 +758,25 @@ class Multigrid:
             e = e + self._cycle(k + 1, keep(lambda e: rc - coarse.op(e), e), again)
         x = keep(lambda x, e: x + level.transfer.prolong(e, keep), x, e)
         return self._smooth(level, x, r, post=True)
+
+    def _solve_coarsest(self, r):
+        """The coarsest level solved directly. Its grid is gathered (inside
+        `shard_map`) and replicated (under `jit`, `_replicated`: so it is
+        gathered once; a product with a sharded vector would be partial sums
+        and an all-reduce on a two-axis mesh), then multiplied by the dense
+        inverse or solved by lines, whose result is replicated too (XLA's
+        partitioner otherwise split the scan over the planes to match the
+        sharded result, which JAX 0.4.38 failed to compile); each device
+        keeps its block."""
+        names = self.levels[-1].op.axis_names
+        grid = _gather(r, names)      # inside shard_map: the whole coarsest grid
+        if isinstance(self.coarse_inverse, _Lines):
+            z = _replicated(self.coarse_inverse(_replicated(grid)))
+        else:
+            inverse = self.coarse_inverse.astype(r.dtype)
+            whole = _replicated(grid.reshape(inverse.shape[0], 1))
+            z = (inverse @ whole)[:, 0].reshape(grid.shape)
+        return _own_block(z, r.shape, names)
 
     def _smooth(self, level: _Level, x, r, post: bool = False):
         """`steps` steps of the smoother for `A x = r` from `x` (zero if None),
@@ -1001,7 +1001,7 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     _checks.check_choice("interpolation", interpolation, INTERPOLATIONS)
     coarse_degree = _checks.check_int("coarse_degree", coarse_degree, 1)
     steps = _checks.check_int("steps", steps, 1)
-    coarse_size = _coarse_size(coarse, coarse_size, operator.boundary)
+    coarse_size = _coarse_size(coarse, coarse_size, operator)
     max_levels = _checks.check_int("max_levels", max_levels, 1)
     if not 0 < float(semicoarsening) <= 1:
         raise ValueError(f"`semicoarsening` must be in (0, 1]; got {semicoarsening!r}.")
@@ -1046,9 +1046,9 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
                      bounds, coarse_degree if coarse == "chebyshev" else 0)
 
 
-def _coarse_size(coarse: str, coarse_size, boundary: tuple) -> int:
+def _coarse_size(coarse: str, coarse_size, operator: StencilOperator) -> int:
     """`coarse_size` checked against what `coarse` can treat."""
-    if coarse == "lines" and _line_axis(boundary) is None:
+    if coarse == "lines" and _line_axis(operator.boundary, operator.shape) is None:
         raise ValueError("`coarse=\"lines\"` factors the coarsest level along an axis that is "
                          "not periodic, and every axis of this operator is periodic: use "
                          "`coarse=\"direct\"` (its pseudo-inverse handles the constant "
