@@ -539,3 +539,67 @@ def test_coarse_lines_input_is_checked():
     assert sx.multigrid(A, coarse="lines", coarse_size=6400).shapes == [(80, 80)]
     assert sx.multigrid(sx.diffusion_operator(1.0, shape=(8, 8)), coarse_size=4096).shapes == [
         (8, 8)]
+
+
+def _stencils_close(a, b):
+    return all(np.allclose(np.broadcast_to(a.op.stored[o], a.op.shape),
+                           np.broadcast_to(b.op.stored[o], b.op.shape), rtol=1e-12, atol=1e-12)
+               for o in a.op.stored)
+
+
+@pytest.mark.parametrize("options", [dict(smoother="gauss_seidel"), dict(cycle="W"),
+                                     dict(dtype=jnp.float32, storage_dtype=jnp.bfloat16)])
+def test_padded_coarse_levels_are_the_same_hierarchy(monkeypatch, options):
+    # the coarse levels written once (a scanned body on padded grids) hold the
+    # same operators as levels built one by one, and the cycle stays SPD;
+    # small grids take the tail here by lowering its threshold
+    from solvax import _multigrid
+    k, b = field((64, 64)), jnp.asarray(np.random.default_rng(1).standard_normal((64, 64)))
+    A = sx.diffusion_operator(k, boundary="neumann", shift=0.1)
+
+    def build(fraction):
+        monkeypatch.setattr(_multigrid, "_TAIL_FRACTION", fraction)
+        make = jax.jit(lambda k: sx.multigrid(sx.diffusion_operator(k, boundary="neumann",
+                                                                      shift=0.1),
+                                              coarse_size=4, **options))
+        return make(k)
+
+    padded, explicit = build(1), build(10 ** 9)
+    assert padded.tail is not None and explicit.tail is None
+    assert padded.tail.shapes == ((16, 16), (8, 8), (4, 4))
+    assert padded.shapes == explicit.shapes == [(64 // 2 ** j,) * 2 for j in range(6)]
+    assert all(_stencils_close(p, e) for p, e in zip(padded.levels, explicit.levels))
+    x, y = (jnp.asarray(np.random.default_rng(s).standard_normal((64, 64))) for s in (2, 3))
+    apply = jax.jit(lambda mg, v: mg(v))
+    lhs, rhs = jnp.vdot(x, apply(padded, y)), jnp.vdot(apply(padded, x), y)
+    assert abs(float(lhs - rhs)) <= (1e-5 if "dtype" in options else 1e-12) * abs(float(lhs))
+    assert float(jnp.vdot(x, apply(padded, x))) > 0
+    solve = jax.jit(lambda mg: sx.pcg(A, b, precond=mg, rtol=1e-10))
+    got, want = solve(padded), solve(explicit)
+    assert int(got.status) == 0 and abs(int(got.iterations) - int(want.iterations)) <= 1
+    assert float(jnp.linalg.norm(b - A(got.x)) / jnp.linalg.norm(b)) <= 1e-10
+
+
+def test_which_levels_are_padded(monkeypatch):
+    # only where the levels are alike at trace time (traced coefficients, one
+    # device, no periodic axis, even sizes, collapsed interpolation); the
+    # default takes levels of at most 1/64 of the finest grid (eval_shape:
+    # traced, not compiled)
+    from solvax import _multigrid
+
+    def tail(shape, **options):
+        k = jax.ShapeDtypeStruct(shape, jnp.float64)
+        boundary = options.pop("boundary", "dirichlet")
+        mg = jax.eval_shape(lambda k: sx.multigrid(sx.diffusion_operator(k, boundary=boundary),
+                                                   **options), k)
+        return mg.tail and mg.tail.shapes
+
+    assert tail((1024, 1024)) == ((64, 64), (32, 32), (16, 16))
+    assert tail((256, 256)) is None        # 32^2 and 16^2 only: too few to pay
+    monkeypatch.setattr(_multigrid, "_TAIL_FRACTION", 1)
+    assert tail((64, 64), coarse_size=4) == ((16, 16), (8, 8), (4, 4))
+    assert tail((64, 64), coarse_size=4, boundary="periodic") is None
+    assert tail((64, 64), coarse_size=4, shards=(2, 1)) is None
+    assert tail((60, 60), coarse_size=4) is None          # 15 points: odd
+    assert tail((64, 64), coarse_size=4, interpolation="full") is None
+    assert sx.multigrid(sx.diffusion_operator(field((64, 64))), coarse_size=4).tail is None

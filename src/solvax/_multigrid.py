@@ -406,6 +406,19 @@ def _shards_of(op: StencilOperator) -> tuple:
     return (1,) * op.ndim
 
 
+def _coarsenable(shape: tuple, boundary: tuple, shards: tuple, axis_names: tuple) -> list:
+    """The axes of a grid that can be coarsened: at least 3 points (an even
+    number on a periodic axis) and at least one coarse point per device
+    splitting them; inside a `shard_map` block an even number (the whole
+    grid's `2 j + 1` stays in the block)."""
+    def able(n, b, d, name):
+        if name is not None:
+            return n % 2 == 0
+        return n >= 3 and not (b == "periodic" and n % 2) and n // 2 >= d
+
+    return [a for a, args in enumerate(zip(shape, boundary, shards, axis_names)) if able(*args)]
+
+
 def _axes_to_coarsen(op: StencilOperator, threshold: float, shards: tuple) -> tuple:
     """The axes to coarsen below `op`: those with at least 3 points (an even
     number on a periodic axis) that keep at least one coarse point per
@@ -413,13 +426,7 @@ def _axes_to_coarsen(op: StencilOperator, threshold: float, shards: tuple) -> tu
     `threshold` times the strongest coarsenable one's (semicoarsening where
     the operator is anisotropic; every axis when the coefficients are
     traced)."""
-    def coarsenable(n, b, d, name):
-        if name is not None:   # a shard_map block: the whole grid's 2 j + 1 stays in it
-            return n % 2 == 0
-        return n >= 3 and not (b == "periodic" and n % 2) and n // 2 >= d
-
-    able = [a for a, args in enumerate(zip(op.shape, op.boundary, shards, op.axis_names))
-            if coarsenable(*args)]
+    able = _coarsenable(op.shape, op.boundary, shards, op.axis_names)
     if not able or not _is_concrete(op):
         return tuple(able)
     s = _strengths(op)
@@ -429,7 +436,7 @@ def _axes_to_coarsen(op: StencilOperator, threshold: float, shards: tuple) -> tu
     return tuple(a for a in able if s[a] >= threshold * strongest)
 
 
-def _smoothing_data(op: StencilOperator, lanczos: bool = True):
+def _smoothing_data(op: StencilOperator, lanczos: bool = True, region=None):
     """`lambda_max` for a level: the largest eigenvalue of `D^{-1} A`
     bounded by Gershgorin's bound (`1 + max_i sum_j |a_ij| / |a_ii|`), and
     with `lanczos` by the smaller of it and 1.1 times a 10-step Lanczos
@@ -443,11 +450,15 @@ def _smoothing_data(op: StencilOperator, lanczos: bool = True):
     Lanczos). The finest level takes it alone (`multigrid`): its Lanczos
     steps were a third of the set-up (memory-bound passes over the whole
     grid), and without them the measured iterations change by at most one.
+    So does the coarsest, whose `lambda_max` steers no smoother (it is
+    solved, or smoothed with its own bounds: `_coarse_bounds`).
+    `region`: on a padded level (`_Tail`), its grid's size per axis (the
+    start vector is zero outside it).
     """
     gershgorin = _gershgorin(op)
     if not lanczos:
         return gershgorin
-    _, ritz = _ritz_values(op, 10)
+    _, ritz = _ritz_values(op, 10, region)
     return _capped(ritz, gershgorin)
 
 
@@ -459,7 +470,7 @@ def _gershgorin(op: StencilOperator):
     return jax.lax.pmax(gershgorin, names) if names else gershgorin
 
 
-def _ritz_values(op: StencilOperator, steps: int):
+def _ritz_values(op: StencilOperator, steps: int, region=None):
     """The extreme Ritz values of `steps` Lanczos steps on `D^{-1/2} A D^{-1/2}`
     (the spectrum of `D^{-1} A`) from a fixed rough start (set-up only)."""
     diag = op.diagonal()
@@ -470,6 +481,10 @@ def _ritz_values(op: StencilOperator, steps: int):
     index = jax.lax.iota(jnp.int32, math.prod(op.shape)).reshape(op.shape).astype(dtype)
     v = jnp.sin(index * 2.399963 + 0.3).astype(diag.dtype)
     v = v + 0 * diag   # shaped, sharded (and in a shard_map block, varying) like the grid
+    if region is not None:   # a padded level: its grid only (Lanczos stays there)
+        inside = functools.reduce(jnp.logical_and, [
+            jax.lax.broadcasted_iota(jnp.int32, op.shape, a) < region[a] for a in range(op.ndim)])
+        v = jnp.where(inside, v, 0)
     root = jnp.sqrt(jnp.abs(1 / diag))
     names = tuple(name for name in op.axis_names if name is not None)
     return _precond.estimate_spectrum(lambda u: root * op(root * u), v, steps=steps,
@@ -653,10 +668,20 @@ def _computed(runtime_true, fn, *args):
     as is."""
     if jax.default_backend() != "cpu":
         return fn(*args)
-    # the other branch: zeros typed like `fn`'s output (inside `shard_map`,
-    # varying over the same mesh axes); the compiler drops `fn` there
-    return jax.lax.cond(runtime_true == runtime_true, fn,
-                        lambda *a: jax.tree_util.tree_map(jnp.zeros_like, fn(*a)), *args)
+    return jax.lax.cond(runtime_true == runtime_true, fn, functools.partial(_untaken, fn), *args)
+
+
+def _untaken(fn, *args):
+    """`_computed`'s branch that never runs, typed like `fn`'s output (inside
+    `shard_map`, varying over the same mesh axes; the compiler drops `fn`
+    here): the first argument where that has the type (a copy: XLA:CPU
+    compiles no kernel for it, 35 fewer for Poisson 1024^2), else zeros."""
+    out = fn(*args)
+    first = jax.tree_util.tree_leaves(args[:1])
+    if (isinstance(out, jax.Array) and len(first) == 1 and jnp.shape(first[0]) == out.shape
+            and jnp.result_type(first[0]) == out.dtype):
+        return first[0]
+    return jax.tree_util.tree_map(jnp.zeros_like, out)
 
 
 def _jitted(fn, *static):
@@ -686,13 +711,154 @@ class _Level:
         return cls(*leaves)
 
 
+#: The levels from the first with at most 1/`_TAIL_FRACTION` of the finest
+#: grid's points on are built and cycled by one scanned body (`_Tail`) where
+#: at least `_TAIL_LEVELS` of them are coarsened alike. (Poisson 1024^2: its
+#: levels from 128^2 on; the first call of MG-CG compiled in 5.2 s instead of
+#: 7.2, with the same warm time. From 256^2 on: 4.1 s, but 22 ms more set-up
+#: and 2 ms more per cycle: the padded levels' wasted work.)
+_TAIL_FRACTION = 64
+_TAIL_LEVELS = 3
+
+
+@jax.tree_util.register_pytree_node_class
+class _Tail:
+    """Coarse levels written once: each level's arrays padded to the shape of
+    the first (`padded`) and stacked on a leading axis, so their set-up and
+    their part of a V-cycle are one `lax.scan` body each instead of one
+    program section per level (XLA compiles every section's kernels: a
+    1024 x 1024 hierarchy's eight levels took 6-7 s to compile).
+
+    A padded level is its grid in the low corner, and outside it the
+    identity, coupled to nothing: a product, a smoothing step and the
+    transfers (weights 0 outside: `_transfer` of a row without neighbours)
+    act on the grid exactly as on the grid alone, and keep zeros outside.
+    `shapes`: each level's own grid."""
+
+    def __init__(self, levels, shapes: tuple, padded: tuple):
+        self.levels, self.shapes, self.padded = levels, shapes, padded
+
+    def tree_flatten(self):
+        return (self.levels,), (self.shapes, self.padded)
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves):
+        return cls(leaves[0], *aux)
+
+    def level(self, j: int) -> _Level:
+        """Level `j` on its own grid (sliced out of the stack)."""
+        lv = jax.tree_util.tree_map(lambda a: a[j], self.levels)
+        return _crop_level(lv, self.padded, self.shapes[j], 0)
+
+    def split(self) -> tuple:
+        """`(level 0, the others)`: level 0 on its grid (the padded shape: its
+        cycle wastes nothing), the others padded to level 1's grid only."""
+        rest = jax.tree_util.tree_map(lambda a: a[1:], self.levels)
+        rest = _crop_level(rest, self.padded, self.shapes[1], 1)
+        return self.level(0), _Tail(rest, self.shapes[1:], self.shapes[1])
+
+
+def _crop_level(level: _Level, padded: tuple, shape: tuple, lead: int) -> _Level:
+    """`level`'s arrays (grids `padded` after `lead` stacking axes) cut to
+    their low corner of `shape` (the sizes differ by powers of two: so do
+    those of the sampled interpolation weights)."""
+    def crop(a):
+        if a.ndim != lead + len(shape):   # lambda_max
+            return a
+        size = a.shape[:lead] + tuple(n * m // p for n, m, p in zip(a.shape[lead:], shape, padded))
+        return jax.lax.slice(a, (0,) * a.ndim, size)
+
+    op, transfer = level.op, level.transfer
+    op = StencilOperator({o: crop(c) for o, c in op.stored.items()}, shape, op.boundary,
+                         op.axis_names, op.symmetric)
+    transfer = _Transfer(jax.tree_util.tree_map(crop, transfer.weights), shape, transfer.axes,
+                         transfer.boundary, transfer.axis_names)
+    return _Level(op, level.lmax, transfer)
+
+
+def _cropped(op: StencilOperator, shape: tuple) -> StencilOperator:
+    """A padded level's operator on its own grid (`shape`)."""
+    stored = {o: jax.lax.slice(jnp.broadcast_to(c, op.shape), (0,) * op.ndim, shape)
+              for o, c in op.stored.items()}
+    return StencilOperator(stored, shape, op.boundary, op.axis_names, op.symmetric)
+
+
+def _padded(op: StencilOperator, shape: tuple) -> StencilOperator:
+    """`op` in the low corner of a grid of `shape`: the identity outside it (the
+    centre 1, every other entry 0). Its entries pointing outside the grid are
+    0 already (a Galerkin operator couples to nothing outside)."""
+    widths = [(0, n - m) for n, m in zip(shape, op.shape)]
+    stored = {o: jnp.pad(jnp.broadcast_to(c, op.shape), widths,
+                         constant_values=0 if any(o) else 1)
+              for o, c in sorted(op.stored.items())}
+    return StencilOperator(stored, shape, op.boundary, op.axis_names, op.symmetric)
+
+
+def _pad_grid(x, shape: tuple):
+    return jnp.pad(x, [(0, n - m) for n, m in zip(shape, x.shape)])
+
+
+def _crop_grid(x, shape: tuple):
+    return jax.lax.slice(x, (0,) * x.ndim, shape)
+
+
+def _tail_plan(op: StencilOperator, depth: int, *, finest: int, coarse_size: int,
+               max_levels: int, shards: tuple, interpolation: str):
+    """`(shapes, axes)` where the levels from `op` (the `depth`-th) on form a
+    `_Tail`: `shapes` the grids of the tail's levels and of the coarsest one
+    after it, each coarsened along the same `axes` from an even size; None
+    where they do not, or where the levels are not known to be alike at
+    trace time: concrete coefficients (semicoarsening reads them), the
+    finest level (the operator as given), a grid split across devices or
+    a periodic axis; and levels larger than 1/`_TAIL_FRACTION` of the
+    finest grid (`finest` points), whose padding would cost time."""
+    if (depth < 1 or _is_concrete(op) or interpolation != "collapsed"
+            or math.prod(op.shape) * _TAIL_FRACTION > finest or any(d != 1 for d in shards)
+            or any(name is not None for name in op.axis_names) or "periodic" in op.boundary):
+        return None
+    shapes, axes, shape = [op.shape], None, op.shape
+    while not (depth + 1 >= max_levels or math.prod(shape) <= coarse_size):
+        able = tuple(_coarsenable(shape, op.boundary, shards, op.axis_names))
+        if not able:
+            break
+        if axes not in (None, able) or any(shape[a] % 2 for a in able):
+            return None
+        axes, shape, depth = able, _coarse_shape(shape, able), depth + 1
+        shapes.append(shape)
+    if len(shapes) - 1 < _TAIL_LEVELS:
+        return None
+    return tuple(shapes), axes
+
+
+def _tail(op: StencilOperator, shapes: tuple, axes: tuple):
+    """The `_Tail` of the levels of grids `shapes[:-1]` from `op` (the first),
+    and the coarsest level's operator (grid `shapes[-1]`): one scanned body
+    per level: `lambda_max` (Lanczos inside the level's grid), the transfer
+    and the Galerkin operator, padded back to the first level's shape."""
+    padded = shapes[0]
+    op = _padded(op, padded)   # its arrays full-sized, the offsets sorted
+
+    def body(op, region):
+        lmax = _smoothing_data(op, True, region)
+        transfer = _transfer(op, axes)
+        return _padded(_galerkin(op, transfer, lmax), padded), _Level(op, lmax, transfer)
+
+    regions = jnp.asarray(np.array(shapes[:-1], np.int32))
+    last, levels = jax.lax.scan(body, op, regions)
+    return _Tail(levels, shapes[:-1], padded), _cropped(last, shapes[-1])
+
+
 @jax.tree_util.register_pytree_node_class
 class Multigrid:
     """A multigrid cycle `r -> z ~ A^{-1} r` (see `multigrid`)."""
 
     def __init__(self, levels: list, coarse_inverse, cycle: str, smoother: str, steps: int,
-                 lower: float, dtype=None, coarse_bounds=None, coarse_degree: int = 0):
-        self.levels = levels
+                 lower: float, dtype=None, coarse_bounds=None, coarse_degree: int = 0,
+                 tail: _Tail | None = None):
+        # the levels built one by one (the finest ones and the coarsest); a
+        # `_Tail` of padded levels, where there is one, lies between the last two
+        self.explicit = levels
+        self.tail = tail
         self.coarse_inverse = coarse_inverse    # None with a Chebyshev coarsest level
         self.coarse_bounds = coarse_bounds      # its (lambda_min, lambda_max) of D^-1 A
         self.cycle, self.smoother, self.steps, self.lower = cycle, smoother, steps, lower
@@ -700,15 +866,23 @@ class Multigrid:
         self.coarse_degree = coarse_degree
 
     def tree_flatten(self):
-        return ((self.levels, self.coarse_inverse, self.coarse_bounds),
+        return ((self.explicit, self.coarse_inverse, self.coarse_bounds, self.tail),
                 (self.cycle, self.smoother, self.steps, self.lower, self.dtype,
                  self.coarse_degree))
 
     @classmethod
     def tree_unflatten(cls, aux, leaves):
-        levels, inverse, bounds = leaves
+        levels, inverse, bounds, tail = leaves
         cycle, smoother, steps, lower, dtype, degree = aux
-        return cls(levels, inverse, cycle, smoother, steps, lower, dtype, bounds, degree)
+        return cls(levels, inverse, cycle, smoother, steps, lower, dtype, bounds, degree, tail)
+
+    @property
+    def levels(self) -> list:
+        """Every level, finest first, each on its own grid."""
+        if self.tail is None:
+            return self.explicit
+        padded = [self.tail.level(j) for j in range(len(self.tail.shapes))]
+        return self.explicit[:-1] + padded + self.explicit[-1:]
 
     @property
     def coarse(self) -> str:
@@ -723,41 +897,81 @@ class Multigrid:
         return [lv.op.shape for lv in self.levels]
 
     def __call__(self, r):
-        shape = self.levels[0].op.shape
+        shape = self.explicit[0].op.shape
         if jnp.shape(r) != shape:
             raise ValueError(f"the multigrid preconditioner acts on arrays of the grid's shape "
                              f"{shape}; got {jnp.shape(r)}.")
         # `dtype` given: the cycle runs in it, whatever the input's precision
-        own = jnp.result_type(*self.levels[0].op.stored.values())
+        own = jnp.result_type(*self.explicit[0].op.stored.values())
         dtype = self.dtype if self.dtype is not None else jnp.result_type(r, own)
         # the cycle's last step is computed into memory (`_computed`): XLA
         # does not recompute it inside each consumer of `z` (a Krylov
         # method's inner product and its update of the search direction)
-        return self._cycle(0, r.astype(dtype), self.cycle).astype(r.dtype)
+        if self.tail is not None and self.cycle == "V":
+            z = self._cycle(self.explicit, 0, r.astype(dtype), "V", tail=True)
+        else:
+            z = self._cycle(self.levels, 0, r.astype(dtype), self.cycle)
+        return z.astype(r.dtype)
 
-    def _cycle(self, k: int, r, kind: str):
-        """One cycle from level `k` for the residual `r`: `kind` V (one coarse
-        correction), W (two, each a W-cycle) or F (two: an F-cycle, then a
-        V-cycle on what it left)."""
-        if k == len(self.levels) - 1 and self.coarse_inverse is None:
+    def _cycle(self, levels: list, k: int, r, kind: str, tail: bool = False):
+        """One cycle from level `k` of `levels` for the residual `r`: `kind` V
+        (one coarse correction), W (two, each a W-cycle) or F (two: an
+        F-cycle, then a V-cycle on what it left). With `tail`, `levels` are
+        the explicit ones, and the `_Tail` corrects the last but one."""
+        if k == len(levels) - 1 and self.coarse_inverse is None:
             # smoothed, not solved: a fixed polynomial (SPD for an SPD level),
             # halos only, no gather of a grid still split across devices
-            level = self.levels[-1]
+            level = levels[-1]
             lmin, lmax = (jnp.asarray(v).astype(jnp.abs(r).dtype) for v in self.coarse_bounds)
             return self._chebyshev(level, None, r, lmin, lmax, self.coarse_degree)
-        if k == len(self.levels) - 1:
+        if k == len(levels) - 1:
             return self._solve_coarsest(r)
-        level, coarse = self.levels[k], self.levels[k + 1]
+        level, coarse = levels[k], levels[k + 1]
         keep = functools.partial(_computed, level.lmax)
         x = self._smooth(level, None, r, post=False)
         residual = keep(lambda x: r - level.op(x), x)
         rc = keep(lambda res: level.transfer.restrict(res, keep), residual)
-        e = self._cycle(k + 1, rc, kind)
-        if kind != "V" and k + 2 < len(self.levels):
+        if tail and k == len(levels) - 2:
+            e = self._tail_cycle(rc)
+        else:
+            e = self._cycle(levels, k + 1, rc, kind, tail)
+        if kind != "V" and k + 2 < len(levels):
             again = "W" if kind == "W" else "V"
-            e = e + self._cycle(k + 1, keep(lambda e: rc - coarse.op(e), e), again)
+            e = e + self._cycle(levels, k + 1, keep(lambda e: rc - coarse.op(e), e), again)
         x = keep(lambda x, e: x + level.transfer.prolong(e, keep), x, e)
         return self._smooth(level, x, r, post=True)
+
+    def _tail_cycle(self, r):
+        """The V-cycle's part on the `_Tail`'s levels (`r` on the first's grid,
+        which is the padded shape): a scan down (smoothing, residual,
+        restriction), the coarsest level, a scan up (prolongation, smoothing).
+        Each level's smoothed iterate and right-hand side are stacked for the
+        way up (their grids padded: small, the tail's levels are). Off the
+        CPU the scans are unrolled: a loop's predicate goes to the host there,
+        once per level and cycle (as `_computed`'s conditional would)."""
+        tail, bottom = self.tail, self.explicit[-1]
+        unroll = 1 if jax.default_backend() == "cpu" else len(tail.shapes)
+
+        def down(r, level):
+            keep = functools.partial(_computed, level.lmax)
+            x = self._smooth(level, None, r, post=False)
+            residual = keep(lambda x: r - level.op(x), x)
+            rc = keep(lambda res: level.transfer.restrict(res, keep), residual)
+            return _pad_grid(rc, tail.padded), (x, r)
+
+        rc, (xs, rs) = jax.lax.scan(down, r, tail.levels, unroll=unroll)
+        e = self._cycle([bottom], 0, _crop_grid(rc, bottom.op.shape), "V")
+
+        def up(e, item):
+            level, x, r = item
+            keep = functools.partial(_computed, level.lmax)
+            e = _crop_grid(e, level.transfer.coarse_shape)
+            x = keep(lambda x, e: x + level.transfer.prolong(e, keep), x, e)
+            return self._smooth(level, x, r, post=True), None
+
+        e, _ = jax.lax.scan(up, _pad_grid(e, tail.padded), (tail.levels, xs, rs), reverse=True,
+                            unroll=unroll)
+        return e
 
     def _solve_coarsest(self, r):
         """The coarsest level solved directly. Its grid is gathered (inside
@@ -768,7 +982,7 @@ class Multigrid:
         partitioner otherwise split the scan over the planes to match the
         sharded result, which JAX 0.4.38 failed to compile); each device
         keeps its block."""
-        names = self.levels[-1].op.axis_names
+        names = self.explicit[-1].op.axis_names
         grid = _gather(r, names)      # inside shard_map: the whole coarsest grid
         if isinstance(self.coarse_inverse, _Lines):
             z = _replicated(self.coarse_inverse(_replicated(grid)))
@@ -1022,10 +1236,21 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     op = jax.lax.stop_gradient(operator)
     if dtype is not None:
         op = jax.tree_util.tree_map(lambda c: c.astype(dtype), op)
+    tail = None
     while True:
-        lmax = _jitted(_smoothing_data, 1)(op, bool(levels))
+        plan = _tail_plan(op, len(levels), finest=math.prod(operator.shape),
+                          coarse_size=coarse_size, max_levels=max_levels, shards=shards,
+                          interpolation=interpolation)
+        if plan is not None:   # the levels from here on alike: one scanned body
+            tail, op = _tail(op, *plan)
+            first, tail = tail.split()
+            levels += [first, _Level(op, _smoothing_data(op, False), None)]
+            break
         last = len(levels) + 1 >= max_levels or _global_size(op) <= coarse_size
         axes = () if last else _axes_to_coarsen(op, float(semicoarsening), shards)
+        # Lanczos where a smoother reads lambda_max: not on the finest level
+        # nor on the coarsest (solved, or smoothed by its own bounds)
+        lmax = _jitted(_smoothing_data, 1)(op, bool(levels) and bool(axes))
         full = interpolation == "full" and len(axes) >= 2 and not any(
             b == "periodic" and (n // 2) % 3 for b, n in zip(op.boundary, op.shape))
         transfer = _jitted(_transfer, 1, 2)(op, axes, full) if axes else None
@@ -1041,9 +1266,12 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     else:
         inverse = _jitted(_dense_inverse)(_gathered_operator(levels[-1].op))
     if storage_dtype is not None:
-        levels = _stored_as(levels, storage_dtype)
+        _check_storage_range(levels, storage_dtype)
+        levels = [_stored_as(lv, storage_dtype) for lv in levels]
+        if tail is not None:
+            tail = _Tail(_stored_as(tail.levels, storage_dtype), tail.shapes, tail.padded)
     return Multigrid(levels, inverse, cycle, smoother, steps, float(chebyshev_lower), dtype,
-                     bounds, coarse_degree if coarse == "chebyshev" else 0)
+                     bounds, coarse_degree if coarse == "chebyshev" else 0, tail)
 
 
 def _coarse_size(coarse: str, coarse_size, operator: StencilOperator) -> int:
@@ -1079,17 +1307,15 @@ def _precisions(operator: StencilOperator, dtype, storage_dtype) -> tuple:
     return dtype, storage_dtype
 
 
-def _stored_as(levels: list, dtype) -> list:
-    """The levels with their coefficients and interpolation weights stored in
-    `dtype` (checked to hold them: `_check_storage_range`); their `lambda_max`
-    stays as computed."""
-    _check_storage_range(levels, dtype)
-
+def _stored_as(level: _Level, dtype) -> _Level:
+    """A level (or a `_Tail`'s stack of them) with its coefficients and
+    interpolation weights stored in `dtype` (`_check_storage_range` says
+    whether it holds them); its `lambda_max` stays as computed."""
     def narrow(w):
         return w.astype(dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w
 
-    return [_Level(lv.op.astype(dtype), lv.lmax, jax.tree_util.tree_map(narrow, lv.transfer))
-            for lv in levels]
+    transfer = jax.tree_util.tree_map(narrow, level.transfer)
+    return _Level(level.op.astype(dtype), level.lmax, transfer)
 
 
 def _check_storage_range(levels: list, dtype) -> None:
