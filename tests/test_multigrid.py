@@ -561,13 +561,13 @@ def test_padded_coarse_levels_are_the_same_hierarchy(monkeypatch, options):
         monkeypatch.setattr(_multigrid, "_TAIL_FRACTION", fraction)
         make = jax.jit(lambda k: sx.multigrid(sx.diffusion_operator(k, boundary="neumann",
                                                                       shift=0.1),
-                                              coarse_size=4, **options))
+                                              coarse_size=16, **options))
         return make(k)
 
     padded, explicit = build(1), build(10 ** 9)
     assert padded.tail is not None and explicit.tail is None
-    assert padded.tail.shapes == ((16, 16), (8, 8), (4, 4))
-    assert padded.shapes == explicit.shapes == [(64 // 2 ** j,) * 2 for j in range(6)]
+    assert padded.tail.shapes == ((16, 16), (8, 8))    # 32^2 down to 8^2, cut after 32^2
+    assert padded.shapes == explicit.shapes == [(64 // 2 ** j,) * 2 for j in range(5)]
     assert all(_stencils_close(p, e) for p, e in zip(padded.levels, explicit.levels))
     x, y = (jnp.asarray(np.random.default_rng(s).standard_normal((64, 64))) for s in (2, 3))
     apply = jax.jit(lambda mg, v: mg(v))
