@@ -561,7 +561,7 @@ def test_padded_coarse_levels_are_the_same_hierarchy(monkeypatch, options):
         monkeypatch.setattr(_multigrid, "_TAIL_FRACTION", fraction)
         make = jax.jit(lambda k: sx.multigrid(sx.diffusion_operator(k, boundary="neumann",
                                                                       shift=0.1),
-                                              coarse_size=16, **options))
+                                              coarse_size=16, shards=(1, 1), **options))
         return make(k)
 
     padded, explicit = build(1), build(10 ** 9)
@@ -584,7 +584,8 @@ def test_which_levels_are_padded(monkeypatch):
     # only where the levels are alike at trace time (traced coefficients, one
     # device, no periodic axis, even sizes, collapsed interpolation); the
     # default takes levels of at most 1/64 of the finest grid (eval_shape:
-    # traced, not compiled)
+    # traced, not compiled). One device: the process has one, or `shards`
+    # says so (these tests run on 8)
     from solvax import _multigrid
 
     def tail(shape, **options):
@@ -594,12 +595,14 @@ def test_which_levels_are_padded(monkeypatch):
                                                    **options), k)
         return mg.tail and mg.tail.shapes
 
-    assert tail((1024, 1024)) == ((64, 64), (32, 32), (16, 16))
-    assert tail((256, 256)) is None        # 32^2 and 16^2 only: too few to pay
+    one = dict(shards=(1, 1))
+    assert tail((1024, 1024), **one) == ((64, 64), (32, 32), (16, 16))
+    assert tail((1024, 1024)) is None      # 8 devices: the grid may be split
+    assert tail((256, 256), **one) is None        # 32^2 and 16^2 only: too few to pay
     monkeypatch.setattr(_multigrid, "_TAIL_FRACTION", 1)
-    assert tail((64, 64), coarse_size=4) == ((16, 16), (8, 8), (4, 4))
-    assert tail((64, 64), coarse_size=4, boundary="periodic") is None
+    assert tail((64, 64), coarse_size=4, **one) == ((16, 16), (8, 8), (4, 4))
+    assert tail((64, 64), coarse_size=4, boundary="periodic", **one) is None
     assert tail((64, 64), coarse_size=4, shards=(2, 1)) is None
-    assert tail((60, 60), coarse_size=4) is None          # 15 points: odd
-    assert tail((64, 64), coarse_size=4, interpolation="full") is None
-    assert sx.multigrid(sx.diffusion_operator(field((64, 64))), coarse_size=4).tail is None
+    assert tail((60, 60), coarse_size=4, **one) is None          # 15 points: odd
+    assert tail((64, 64), coarse_size=4, interpolation="full", **one) is None
+    assert sx.multigrid(sx.diffusion_operator(field((64, 64))), coarse_size=4, **one).tail is None

@@ -803,16 +803,19 @@ def _crop_grid(x, shape: tuple):
 
 
 def _tail_plan(op: StencilOperator, depth: int, *, finest: int, coarse_size: int,
-               max_levels: int, shards: tuple, interpolation: str):
+               max_levels: int, shards: tuple, interpolation: str, one_device: bool):
     """`(shapes, axes)` where the levels from `op` (the `depth`-th) on form a
     `_Tail`: `shapes` the grids of the tail's levels and of the coarsest one
     after it, each coarsened along the same `axes` from an even size; None
     where they do not, or where the levels are not known to be alike at
     trace time: concrete coefficients (semicoarsening reads them), the
-    finest level (the operator as given), a grid split across devices or
-    a periodic axis; and levels larger than 1/`_TAIL_FRACTION` of the
-    finest grid (`finest` points), whose padding would cost time."""
-    if (depth < 1 or _is_concrete(op) or interpolation != "collapsed"
+    finest level (the operator as given), a grid that may be split across
+    devices (`one_device`: one device in the process, or `shards` all 1
+    given; a padded level of a sharded grid moved its blocks, one more
+    all-gather per cycle on 8 devices) or a periodic axis; and levels
+    larger than 1/`_TAIL_FRACTION` of the finest grid (`finest` points),
+    whose padding would cost time."""
+    if (not one_device or depth < 1 or _is_concrete(op) or interpolation != "collapsed"
             or math.prod(op.shape) * _TAIL_FRACTION > finest or any(d != 1 for d in shards)
             or any(name is not None for name in op.axis_names) or "periodic" in op.boundary):
         return None
@@ -1128,7 +1131,10 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
             all-to-alls and all-reduces). Read from the coefficients'
             sharding when they are concrete arrays; pass it when the set-up
             is traced under `jit`, e.g. `shards=(8, 1)` for `P("i", None)`
-            on 8 devices.
+            on 8 devices. All ones (or a process with one device) says the
+            grid is on one device: under `jit` the coarse levels from 1/64
+            of the finest grid's points down are then padded to one shape
+            and compiled once (a shorter compile; `docs/multigrid.md`).
         coarse: how the coarsest level is treated. `"direct"` (default): a
             dense pseudo-inverse computed at set-up; on a grid still split
             across devices its residual is gathered once per cycle (one
@@ -1222,6 +1228,9 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     if not 0 < float(chebyshev_lower) < 1:
         raise ValueError(f"`chebyshev_lower` must be in (0, 1); got {chebyshev_lower!r}.")
     dtype, storage_dtype = _precisions(operator, dtype, storage_dtype)
+    # the grid known to be on one device: said so, or nowhere else to be
+    # (traced coefficients do not tell; `_tail_plan`)
+    one_device = jax.device_count() == 1 if shards is None else None
     if shards is None:
         shards = _shards_of(operator)
     elif (not isinstance(shards, tuple | list) or len(shards) != operator.ndim
@@ -1229,6 +1238,8 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
         raise ValueError(f"`shards` must give, per grid axis, the number of devices splitting "
                          f"it (ints >= 1, {operator.ndim} of them); got {shards!r}.")
     shards = tuple(shards)
+    if one_device is None:
+        one_device = all(d == 1 for d in shards)
     levels = []
     # a preconditioner changes how a solve gets there, not where: the
     # solvers' implicit adjoints do not differentiate it, so neither does
@@ -1240,7 +1251,7 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     while True:
         plan = _tail_plan(op, len(levels), finest=math.prod(operator.shape),
                           coarse_size=coarse_size, max_levels=max_levels, shards=shards,
-                          interpolation=interpolation)
+                          interpolation=interpolation, one_device=one_device)
         if plan is not None:   # the levels from here on alike: one scanned body
             tail, op = _tail(op, *plan)
             first, tail = tail.split()
