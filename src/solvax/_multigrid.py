@@ -778,8 +778,7 @@ def _crop_level(level: _Level, padded: tuple, shape: tuple, lead: int) -> _Level
 
 def _cropped(op: StencilOperator, shape: tuple) -> StencilOperator:
     """A padded level's operator on its own grid (`shape`)."""
-    stored = {o: jax.lax.slice(jnp.broadcast_to(c, op.shape), (0,) * op.ndim, shape)
-              for o, c in op.stored.items()}
+    stored = {o: _crop_grid(jnp.broadcast_to(c, op.shape), shape) for o, c in op.stored.items()}
     return StencilOperator(stored, shape, op.boundary, op.axis_names, op.symmetric)
 
 
@@ -816,7 +815,7 @@ def _tail_plan(op: StencilOperator, depth: int, *, finest: int, coarse_size: int
     larger than 1/`_TAIL_FRACTION` of the finest grid (`finest` points),
     whose padding would cost time."""
     if (not one_device or depth < 1 or _is_concrete(op) or interpolation != "collapsed"
-            or math.prod(op.shape) * _TAIL_FRACTION > finest or any(d != 1 for d in shards)
+            or math.prod(op.shape) * _TAIL_FRACTION > finest
             or any(name is not None for name in op.axis_names) or "periodic" in op.boundary):
         return None
     shapes, axes, shape = [op.shape], None, op.shape
@@ -930,17 +929,29 @@ class Multigrid:
         if k == len(levels) - 1:
             return self._solve_coarsest(r)
         level, coarse = levels[k], levels[k + 1]
-        keep = functools.partial(_computed, level.lmax)
-        x = self._smooth(level, None, r, post=False)
-        residual = keep(lambda x: r - level.op(x), x)
-        rc = keep(lambda res: level.transfer.restrict(res, keep), residual)
+        x, rc = self._down(level, r)
         if tail and k == len(levels) - 2:
             e = self._tail_cycle(rc)
         else:
             e = self._cycle(levels, k + 1, rc, kind, tail)
         if kind != "V" and k + 2 < len(levels):
             again = "W" if kind == "W" else "V"
-            e = e + self._cycle(levels, k + 1, keep(lambda e: rc - coarse.op(e), e), again)
+            left = _computed(level.lmax, lambda e: rc - coarse.op(e), e)
+            e = e + self._cycle(levels, k + 1, left, again)
+        return self._up(level, x, r, e)
+
+    def _down(self, level: _Level, r):
+        """A level's way down: `(x, rc)`, `x` smoothed from zero for `A x = r`
+        and `rc` its residual restricted, each computed into memory."""
+        keep = functools.partial(_computed, level.lmax)
+        x = self._smooth(level, None, r, post=False)
+        residual = keep(lambda x: r - level.op(x), x)
+        return x, keep(lambda res: level.transfer.restrict(res, keep), residual)
+
+    def _up(self, level: _Level, x, r, e):
+        """A level's way up: the coarse correction `e` prolonged onto `x`, then
+        smoothed for `A x = r`."""
+        keep = functools.partial(_computed, level.lmax)
         x = keep(lambda x, e: x + level.transfer.prolong(e, keep), x, e)
         return self._smooth(level, x, r, post=True)
 
@@ -956,10 +967,7 @@ class Multigrid:
         unroll = 1 if jax.default_backend() == "cpu" else len(tail.shapes)
 
         def down(r, level):
-            keep = functools.partial(_computed, level.lmax)
-            x = self._smooth(level, None, r, post=False)
-            residual = keep(lambda x: r - level.op(x), x)
-            rc = keep(lambda res: level.transfer.restrict(res, keep), residual)
+            x, rc = self._down(level, r)
             return _pad_grid(rc, tail.padded), (x, r)
 
         rc, (xs, rs) = jax.lax.scan(down, r, tail.levels, unroll=unroll)
@@ -967,10 +975,7 @@ class Multigrid:
 
         def up(e, item):
             level, x, r = item
-            keep = functools.partial(_computed, level.lmax)
-            e = _crop_grid(e, level.transfer.coarse_shape)
-            x = keep(lambda x, e: x + level.transfer.prolong(e, keep), x, e)
-            return self._smooth(level, x, r, post=True), None
+            return self._up(level, x, r, _crop_grid(e, level.transfer.coarse_shape)), None
 
         e, _ = jax.lax.scan(up, _pad_grid(e, tail.padded), (tail.levels, xs, rs), reverse=True,
                             unroll=unroll)
@@ -1240,35 +1245,15 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     shards = tuple(shards)
     if one_device is None:
         one_device = all(d == 1 for d in shards)
-    levels = []
     # a preconditioner changes how a solve gets there, not where: the
     # solvers' implicit adjoints do not differentiate it, so neither does
     # the set-up (no derivative of its eigenvalue estimates or gathers)
     op = jax.lax.stop_gradient(operator)
     if dtype is not None:
         op = jax.tree_util.tree_map(lambda c: c.astype(dtype), op)
-    tail = None
-    while True:
-        plan = _tail_plan(op, len(levels), finest=math.prod(operator.shape),
-                          coarse_size=coarse_size, max_levels=max_levels, shards=shards,
-                          interpolation=interpolation, one_device=one_device)
-        if plan is not None:   # the levels from here on alike: one scanned body
-            tail, op = _tail(op, *plan)
-            first, tail = tail.split()
-            levels += [first, _Level(op, _smoothing_data(op, False), None)]
-            break
-        last = len(levels) + 1 >= max_levels or _global_size(op) <= coarse_size
-        axes = () if last else _axes_to_coarsen(op, float(semicoarsening), shards)
-        # Lanczos where a smoother reads lambda_max: not on the finest level
-        # nor on the coarsest (solved, or smoothed by its own bounds)
-        lmax = _jitted(_smoothing_data, 1)(op, bool(levels) and bool(axes))
-        full = interpolation == "full" and len(axes) >= 2 and not any(
-            b == "periodic" and (n // 2) % 3 for b, n in zip(op.boundary, op.shape))
-        transfer = _jitted(_transfer, 1, 2)(op, axes, full) if axes else None
-        levels.append(_Level(op, lmax, transfer))
-        if not axes:
-            break
-        op = _jitted(_galerkin)(op, transfer, lmax)
+    levels, tail = _hierarchy(op, coarse_size=coarse_size, max_levels=max_levels,
+                              semicoarsening=float(semicoarsening), shards=shards,
+                              interpolation=interpolation, one_device=one_device)
     bounds = inverse = None
     if coarse == "chebyshev":
         bounds = _jitted(_coarse_bounds)(levels[-1].op)
@@ -1283,6 +1268,35 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
             tail = _Tail(_stored_as(tail.levels, storage_dtype), tail.shapes, tail.padded)
     return Multigrid(levels, inverse, cycle, smoother, steps, float(chebyshev_lower), dtype,
                      bounds, coarse_degree if coarse == "chebyshev" else 0, tail)
+
+
+def _hierarchy(op: StencilOperator, *, coarse_size: int, max_levels: int,
+               semicoarsening: float, shards: tuple, interpolation: str,
+               one_device: bool) -> tuple:
+    """`(levels, tail)`: the levels from `op` (the finest) built one by one
+    until the coarsest, or until the ones left form a `_Tail` (`_tail_plan`;
+    then `levels` ends with that tail's first level and the coarsest)."""
+    levels, finest = [], math.prod(op.shape)
+    while True:
+        plan = _tail_plan(op, len(levels), finest=finest, coarse_size=coarse_size,
+                          max_levels=max_levels, shards=shards, interpolation=interpolation,
+                          one_device=one_device)
+        if plan is not None:   # the levels from here on alike: one scanned body
+            tail, op = _tail(op, *plan)
+            first, tail = tail.split()
+            return levels + [first, _Level(op, _smoothing_data(op, False), None)], tail
+        last = len(levels) + 1 >= max_levels or _global_size(op) <= coarse_size
+        axes = () if last else _axes_to_coarsen(op, semicoarsening, shards)
+        # Lanczos where a smoother reads lambda_max: not on the finest level
+        # nor on the coarsest (solved, or smoothed by its own bounds)
+        lmax = _jitted(_smoothing_data, 1)(op, bool(levels) and bool(axes))
+        full = interpolation == "full" and len(axes) >= 2 and not any(
+            b == "periodic" and (n // 2) % 3 for b, n in zip(op.boundary, op.shape))
+        transfer = _jitted(_transfer, 1, 2)(op, axes, full) if axes else None
+        levels.append(_Level(op, lmax, transfer))
+        if not axes:
+            return levels, None
+        op = _jitted(_galerkin)(op, transfer, lmax)
 
 
 def _coarse_size(coarse: str, coarse_size, operator: StencilOperator) -> int:
