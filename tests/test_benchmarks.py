@@ -208,6 +208,8 @@ def check_benchmark_multigrid_small(tmp_path):
     assert timing["mg_residual"] < 1e-8 and timing["mg_iterations"] < timing["cg_iterations"]
     assert timing["mg_f32_cycle_residual"] < 1e-8
     assert timing["mg_f32_cycle_iterations"] <= timing["mg_iterations"] + 1
+    assert timing["mg_closed_iterations"] == timing["mg_given_iterations"]
+    assert abs(timing["mg_given_iterations"] - timing["mg_iterations"]) <= 1
 
 
 def test_benchmark_precision_small(tmp_path):
