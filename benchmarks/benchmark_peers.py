@@ -50,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from problems import (  # noqa: E402
     convection_diffusion,
+    interleaved,
     latency_problem,
     parse_args,
     poisson,
@@ -181,21 +182,6 @@ def compile_times(fns, *args):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def interleaved(fns, *args, repeats=None):
-    """Median run time of each function, warm, run round-robin `repeats`
-    (default REPEATS) times."""
-    compiled = {name: jax.jit(fn) for name, fn in fns.items()}
-    for f in compiled.values():
-        jax.block_until_ready(f(*args))
-    times = {name: [] for name in fns}
-    for _ in range(REPEATS if repeats is None else repeats):
-        for name, f in compiled.items():
-            start = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def problem(name, matvec, make_solvers, b, reference):
     """Every solver of `make_solvers(matvec)` on `b`; compile times are also
     given relative to `reference` (jax.scipy's solver of the same method)."""
@@ -203,7 +189,7 @@ def problem(name, matvec, make_solvers, b, reference):
     by_matvec = make_solvers  # solver factory taking the matvec
     solvers = by_matvec(matvec)
     compiles = compile_times(solvers, b)
-    runs = interleaved(solvers, b)
+    runs = interleaved(solvers, b, rounds=REPEATS)
     rows = []
     for solver, fn in solvers.items():
         x = jax.jit(fn)(b)
@@ -245,7 +231,7 @@ def bicgstab_sweep(sizes):
         b = jnp.asarray(1.0 + 0.1 * rng.standard_normal((n, n)))
         for strength in BICGSTAB_STRENGTHS:
             matvec = convection_diffusion(strength)
-            runs = interleaved(bicgstab_pair(matvec), b)
+            runs = interleaved(bicgstab_pair(matvec), b, rounds=REPEATS)
             row = dict(n=n, strength=strength, peclet=strength / (n + 1) / 2)
             for name in runs:
                 x = jax.jit(bicgstab_pair(matvec)[name])(b)
@@ -330,7 +316,7 @@ def latency(n, iterations=200):
     rows = []
     for fns, base in ((cg, "jax.scipy cg"), (bicgstab, "jax.scipy bicgstab")):
         # 21 rounds: a run is ~0.1 s, and this mesh's scheduling noise is large
-        runs = interleaved(fns, d, b, repeats=max(REPEATS, LATENCY_REPEATS))
+        runs = interleaved(fns, d, b, rounds=max(REPEATS, LATENCY_REPEATS))
         # all-reduces executed per CG/BiCGStab iteration (each array of a
         # variadic one): an s-step loop pass is s iterations
         rows += [dict(problem=f"latency-bound mesh, n={n}, 8 devices", solver=k,
@@ -378,7 +364,7 @@ def multigrid_mesh(sizes=(64, 256)):
             report = sx.count_collectives(solve_x, A, M, b)
             fns[coarse] = functools.partial(solve_x, A, M)
             info[coarse] = dict(iterations=int(sol.iterations), per_step=report.per_step)
-        runs = interleaved(fns, b)
+        runs = interleaved(fns, b, rounds=REPEATS)
         for coarse, t in runs.items():
             its = info[coarse]["iterations"]
             rows.append(dict(problem=f"MG-CG {n}x{n} P('i', None), 8 devices", coarse=coarse,

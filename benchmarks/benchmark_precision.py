@@ -24,8 +24,6 @@ One device. Parts (`--only`):
 """
 
 import functools
-import statistics
-import time
 
 import jax
 
@@ -33,27 +31,11 @@ jax.config.update("jax_enable_x64", True)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from problems import parse_args, run_parts  # noqa: E402
+from problems import interleaved, parse_args, run_parts  # noqa: E402
 
 import solvax as sx  # noqa: E402
 
 RTOL = 1e-12
-
-
-def _interleaved(fns: dict, args, rounds: int) -> dict:
-    """Median wall time (s) of each compiled function over `rounds` rounds that
-    run every function once in turn (this machine drifts by 10-30 % within a
-    minute: run one after the other, the first case measured slowest)."""
-    compiled = {name: jax.jit(fn) for name, fn in fns.items()}
-    for fn in compiled.values():
-        jax.block_until_ready(fn(*args))
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in compiled.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def poisson(small):
@@ -76,8 +58,8 @@ def poisson(small):
         cases[f"refinement, float32 MG-CG to {inner:.0e}"] = functools.partial(
             refinement, inner_rtol=inner)
     A = sx.diffusion_operator(k)
-    times = _interleaved({name: lambda k, b, f=fn: f(k, b).x for name, fn in cases.items()},
-                         (k, b), rounds=3 if small else 15)
+    times = interleaved({name: lambda k, b, f=fn: f(k, b).x for name, fn in cases.items()},
+                        k, b, rounds=3 if small else 15)
     rows = {}
     for name, fn in cases.items():
         sol = jax.jit(fn)(k, b)
@@ -105,8 +87,8 @@ def storage(small):
         return sx.pcg(A, b, precond=mg, rtol=1e-8, atol=0.0)
 
     names = ("float32", "bfloat16")
-    times = _interleaved({name: lambda k, b, name=name: solve(k, b, name).x for name in names},
-                         (k, b), rounds=3 if small else 9)
+    times = interleaved({name: lambda k, b, name=name: solve(k, b, name).x for name in names},
+                        k, b, rounds=3 if small else 9)
     rows = {}
     for name in names:
         sol = jax.jit(functools.partial(solve, name=name))(k, b)

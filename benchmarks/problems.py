@@ -84,6 +84,28 @@ def run_parts(args, parts, out, small):
     return out
 
 
+def interleaved(fns, *args, rounds):
+    """Median warm wall time (s) of each function of `fns` (name -> fn),
+    jitted, on `args`: `rounds` rounds that run every function once in turn
+    (this machine drifts by 10-30 % within a minute: run one after the
+    other, the first measured slowest)."""
+    import statistics
+    import time
+
+    import jax
+
+    compiled = {name: jax.jit(fn) for name, fn in fns.items()}
+    for fn in compiled.values():
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in compiled.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def median_time(fn, *args, repeats=5):
     """Median wall time (s) of `repeats` warm runs of `jax.jit(fn)(*args)`
     (the first call, which compiles, is not timed)."""
