@@ -1237,18 +1237,17 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     if not 0 < float(chebyshev_lower) < 1:
         raise ValueError(f"`chebyshev_lower` must be in (0, 1); got {chebyshev_lower!r}.")
     dtype, storage_dtype = _precisions(operator, dtype, storage_dtype)
-    # the grid known to be on one device: said so, or nowhere else to be
-    # (traced coefficients do not tell; `_tail_plan`)
-    one_device = jax.device_count() == 1 if shards is None else None
+    # the grid known to be on one device (`_tail_plan`): said so by `shards`,
+    # or nowhere else to be (traced coefficients do not tell)
     if shards is None:
-        shards = _shards_of(operator)
+        shards, one_device = _shards_of(operator), jax.device_count() == 1
     elif (not isinstance(shards, tuple | list) or len(shards) != operator.ndim
           or not all(isinstance(d, int) and d >= 1 for d in shards)):
         raise ValueError(f"`shards` must give, per grid axis, the number of devices splitting "
                          f"it (ints >= 1, {operator.ndim} of them); got {shards!r}.")
-    shards = tuple(shards)
-    if one_device is None:
+    else:
         one_device = all(d == 1 for d in shards)
+    shards = tuple(shards)
     # a preconditioner changes how a solve gets there, not where: the
     # solvers' implicit adjoints do not differentiate it, so neither does
     # the set-up (no derivative of its eigenvalue estimates or gathers)
