@@ -222,6 +222,7 @@ def test_benchmark_precision_small(tmp_path):
     for row in storage.values():
         assert row["status"] == "CONVERGED" and row["true_relative_residual"] <= 1e-8, row
     assert abs(storage["bfloat16"]["iterations"] - storage["float32"]["iterations"]) <= 1
+    assert all(row["built_once_s"] > 0 for row in storage.values())
     for row in data["kappa"]:
         # converged exactly where the inner precision resolves the system
         assert (row["status"] == "CONVERGED") == row["resolvable"], row

@@ -623,3 +623,24 @@ def test_a_hierarchy_closed_over_keeps_its_fusion_barriers():
     given = conditionals(lambda mg, b: mg(b), mg, b)
     assert given >= 2 * (len(mg.levels) - 1)
     assert conditionals(lambda b: mg(b), b) == given
+
+
+def test_a_one_device_set_up_computes_each_galerkin_level_once():
+    # XLA:CPU fused each Galerkin product into the next level's set-up and
+    # recomputed it at every offset read there (and in a bfloat16 copy):
+    # on one device each explicit level's operator is computed into memory
+    # (a conditional), on a grid that may be split it is not (the halo
+    # exchanges of its steps stay shared)
+    k = field((32, 32))
+
+    def conditionals(shards):
+        def set_up(k):
+            mg = sx.multigrid(sx.diffusion_operator(k), coarse_size=16, shards=shards)
+            return jax.tree_util.tree_leaves(mg)
+
+        text = jax.jit(set_up).lower(k).compile().as_text()
+        return text.count(" conditional(")
+
+    levels = len(sx.multigrid(sx.diffusion_operator(k), coarse_size=16).levels)
+    assert levels >= 3 and conditionals((1, 1)) == levels - 1
+    assert conditionals((2, 1)) == 0
