@@ -625,22 +625,26 @@ def test_a_hierarchy_closed_over_keeps_its_fusion_barriers():
     assert conditionals(lambda b: mg(b), b) == given
 
 
-def test_a_one_device_set_up_computes_each_galerkin_level_once():
+def test_a_narrowed_one_device_set_up_computes_each_galerkin_level_once():
     # XLA:CPU fused each Galerkin product into the next level's set-up and
-    # recomputed it at every offset read there (and in a bfloat16 copy):
-    # on one device each explicit level's operator is computed into memory
-    # (a conditional), on a grid that may be split it is not (the halo
-    # exchanges of its steps stay shared)
+    # its narrowed copy, and computed it again there: a narrowed hierarchy
+    # (float32 from float64, or a narrower storage) on one device computes
+    # each explicit level's operator into memory (a conditional); one in the
+    # operator's own precision (slower so, measured) or on a grid that may be
+    # split (the halo exchanges of its steps stay shared) does not
     k = field((32, 32))
 
-    def conditionals(shards):
+    def conditionals(shards, **options):
         def set_up(k):
-            mg = sx.multigrid(sx.diffusion_operator(k), coarse_size=16, shards=shards)
+            mg = sx.multigrid(sx.diffusion_operator(k), coarse_size=16, shards=shards, **options)
             return jax.tree_util.tree_leaves(mg)
 
         text = jax.jit(set_up).lower(k).compile().as_text()
         return text.count(" conditional(")
 
     levels = len(sx.multigrid(sx.diffusion_operator(k), coarse_size=16).levels)
-    assert levels >= 3 and conditionals((1, 1)) == levels - 1
-    assert conditionals((2, 1)) == 0
+    assert levels >= 3 and k.dtype == jnp.float64
+    for options in (dict(dtype=jnp.float32), dict(storage_dtype=jnp.bfloat16)):
+        assert conditionals((1, 1), **options) == levels - 1
+        assert conditionals((2, 1), **options) == 0
+    assert conditionals((1, 1)) == 0

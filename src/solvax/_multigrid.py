@@ -325,8 +325,9 @@ def _galerkin(op: StencilOperator, transfer: _Transfer, flag=None) -> StencilOpe
     (Fusion barriers between the steps, and before each level's set-up,
     saved about 5 % of the set-up on one device but added collectives to
     it on a sharded grid, 110 -> 119 in the 64 x 64 P('i', None) row of
-    `python -m solvax`: XLA no longer shared the halos of the steps. On
-    one device the result is computed into memory: `_hierarchy`.)
+    `python -m solvax`: XLA no longer shared the halos of the steps. A
+    narrowed hierarchy on one device computes the result into memory:
+    `_hierarchy`.)
     `flag`: the level's `lambda_max`, a replicated scalar for `_computed`."""
     if transfer.full:
         out = _galerkin_probed(op, transfer, flag)
@@ -1253,11 +1254,15 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     # solvers' implicit adjoints do not differentiate it, so neither does
     # the set-up (no derivative of its eigenvalue estimates or gathers)
     op = jax.lax.stop_gradient(operator)
+    own = jnp.result_type(*op.stored.values())
     if dtype is not None:
         op = jax.tree_util.tree_map(lambda c: c.astype(dtype), op)
+    narrowed = any(d is not None and jnp.dtype(d).itemsize < jnp.dtype(own).itemsize
+                   for d in (dtype, storage_dtype))
     levels, tail = _hierarchy(op, coarse_size=coarse_size, max_levels=max_levels,
                               semicoarsening=float(semicoarsening), shards=shards,
-                              interpolation=interpolation, one_device=one_device)
+                              interpolation=interpolation, one_device=one_device,
+                              materialize=one_device and narrowed)
     bounds = inverse = None
     if coarse == "chebyshev":
         bounds = _jitted(_coarse_bounds)(levels[-1].op)
@@ -1276,21 +1281,26 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
 
 def _hierarchy(op: StencilOperator, *, coarse_size: int, max_levels: int,
                semicoarsening: float, shards: tuple, interpolation: str,
-               one_device: bool) -> tuple:
+               one_device: bool, materialize: bool = False) -> tuple:
     """`(levels, tail)`: the levels from `op` (the finest) built one by one
     until the coarsest, or until the ones left form a `_Tail` (`_tail_plan`;
     then `levels` ends with that tail's first level and the coarsest).
 
-    On one device each Galerkin operator is computed into memory
-    (`_computed`) before the next level's set-up reads it: XLA:CPU
-    otherwise fused it into what reads it, and computed it again at every
-    offset a stencil there reads and in a narrowed copy (`storage_dtype`).
-    Measured in one interleaved run: the set-up of Poisson 1024^2 67 against
-    91 ms in float32 (76 against 82 in float64); at 3-D 96^3 stored in
-    bfloat16, 90 against 202 ms (float32 storage: 117 before). (Not on a sharded grid: fusion barriers
-    there made XLA exchange the steps' halos separately; see `_galerkin`.
-    Computing each level from the one above as stored in bfloat16 instead
-    is no cure: 63 CG iterations against 50 at 96^3.)
+    `materialize` (a narrowed hierarchy on one device: `multigrid` with a
+    `dtype` or `storage_dtype` narrower than the operator's): each Galerkin
+    operator is computed into memory (`_computed`) before the next level's
+    set-up and the level's narrowed copy read it. XLA:CPU otherwise fused
+    it into what reads it and computed it again there (a bfloat16 set-up at
+    96^3 took 202 ms against 114 for float32 storage; now 90 against 117).
+    Measured in one process, interleaved, Poisson 1024^2 to 1e-12, set-up
+    included: float64 CG with the float32 cycle 234 against 242 ms,
+    refinement with float32 MG-CG 219 against 234; but the all-float64
+    MG-CG 373 against 349 (its set-up alone and its solve alone unchanged),
+    so a hierarchy in the operator's own precision is not materialized.
+    Not on a sharded grid either: fusion barriers there made XLA exchange
+    the steps' halos separately (`_galerkin`). (Computing each level from
+    the one above as stored in bfloat16 also avoids the duplicate, but took
+    63 CG iterations against 50 at 96^3.)
     """
     levels, finest = [], math.prod(op.shape)
     while True:
@@ -1313,7 +1323,7 @@ def _hierarchy(op: StencilOperator, *, coarse_size: int, max_levels: int,
         if not axes:
             return levels, None
         galerkin = _jitted(_galerkin)
-        op = (_computed(lmax, galerkin, op, transfer, lmax) if one_device
+        op = (_computed(lmax, galerkin, op, transfer, lmax) if materialize
               else galerkin(op, transfer, lmax))
 
 
