@@ -608,6 +608,12 @@ def test_which_levels_are_padded(monkeypatch):
     assert sx.multigrid(sx.diffusion_operator(field((64, 64))), coarse_size=4, **one).tail is None
 
 
+def compiled_conditionals(fn, *args) -> int:
+    """The conditionals in `jax.jit(fn)`'s compiled program on `args` (on the
+    CPU, the cycle's and the set-up's fusion barriers: `_computed`)."""
+    return jax.jit(fn).lower(*args).compile().as_text().count(" conditional(")
+
+
 def test_a_hierarchy_closed_over_keeps_its_fusion_barriers():
     # built once and closed over by a jitted solve, the hierarchy is a
     # constant there: XLA once folded `lambda_max == lambda_max` and dropped
@@ -616,13 +622,9 @@ def test_a_hierarchy_closed_over_keeps_its_fusion_barriers():
     A = sx.diffusion_operator(field((32, 32)))
     mg = sx.multigrid(A, coarse_size=16)
     b = jnp.ones((32, 32))
-
-    def conditionals(fn, *args):
-        return jax.jit(fn).lower(*args).compile().as_text().count(" conditional(")
-
-    given = conditionals(lambda mg, b: mg(b), mg, b)
+    given = compiled_conditionals(lambda mg, b: mg(b), mg, b)
     assert given >= 2 * (len(mg.levels) - 1)
-    assert conditionals(lambda b: mg(b), b) == given
+    assert compiled_conditionals(lambda b: mg(b), b) == given
 
 
 def test_a_narrowed_one_device_set_up_computes_each_galerkin_level_once():
@@ -635,12 +637,8 @@ def test_a_narrowed_one_device_set_up_computes_each_galerkin_level_once():
     k = field((32, 32))
 
     def conditionals(shards, **options):
-        def set_up(k):
-            mg = sx.multigrid(sx.diffusion_operator(k), coarse_size=16, shards=shards, **options)
-            return jax.tree_util.tree_leaves(mg)
-
-        text = jax.jit(set_up).lower(k).compile().as_text()
-        return text.count(" conditional(")
+        return compiled_conditionals(lambda k: jax.tree_util.tree_leaves(sx.multigrid(
+            sx.diffusion_operator(k), coarse_size=16, shards=shards, **options)), k)
 
     levels = len(sx.multigrid(sx.diffusion_operator(k), coarse_size=16).levels)
     assert levels >= 3 and k.dtype == jnp.float64

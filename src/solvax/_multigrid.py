@@ -1238,7 +1238,7 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
         raise ValueError(f"`semicoarsening` must be in (0, 1]; got {semicoarsening!r}.")
     if not 0 < float(chebyshev_lower) < 1:
         raise ValueError(f"`chebyshev_lower` must be in (0, 1); got {chebyshev_lower!r}.")
-    dtype, storage_dtype = _precisions(operator, dtype, storage_dtype)
+    dtype, storage_dtype, narrowed = _precisions(operator, dtype, storage_dtype)
     # the grid known to be on one device (`_tail_plan`): said so by `shards`,
     # or nowhere else to be (traced coefficients do not tell)
     if shards is None:
@@ -1254,11 +1254,8 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     # solvers' implicit adjoints do not differentiate it, so neither does
     # the set-up (no derivative of its eigenvalue estimates or gathers)
     op = jax.lax.stop_gradient(operator)
-    own = jnp.result_type(*op.stored.values())
     if dtype is not None:
         op = jax.tree_util.tree_map(lambda c: c.astype(dtype), op)
-    narrowed = any(d is not None and jnp.dtype(d).itemsize < jnp.dtype(own).itemsize
-                   for d in (dtype, storage_dtype))
     levels, tail = _hierarchy(op, coarse_size=coarse_size, max_levels=max_levels,
                               semicoarsening=float(semicoarsening), shards=shards,
                               interpolation=interpolation, one_device=one_device,
@@ -1347,7 +1344,8 @@ def _coarse_size(coarse: str, coarse_size, operator: StencilOperator) -> int:
 
 def _precisions(operator: StencilOperator, dtype, storage_dtype) -> tuple:
     """`multigrid`'s `(dtype, storage_dtype)` checked against the operator's
-    own precision (at least float32 for the set-up)."""
+    own precision (at least float32 for the set-up), and whether either
+    narrows the hierarchy below it (`_hierarchy`'s `materialize`)."""
     own = jnp.result_type(*operator.entries.values())
     if jnp.finfo(own).bits < 32:
         raise TypeError(f"`operator` has {jnp.dtype(own).name} coefficients; multigrid's "
@@ -1358,7 +1356,9 @@ def _precisions(operator: StencilOperator, dtype, storage_dtype) -> tuple:
         dtype = _cycle_dtype(dtype, own)
     if storage_dtype is not None:
         storage_dtype = _storage_dtype(storage_dtype, dtype or own)
-    return dtype, storage_dtype
+    narrowed = any(d is not None and jnp.dtype(d).itemsize < jnp.dtype(own).itemsize
+                   for d in (dtype, storage_dtype))
+    return dtype, storage_dtype, narrowed
 
 
 def _stored_as(level: _Level, dtype) -> _Level:
