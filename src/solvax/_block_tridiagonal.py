@@ -2,7 +2,7 @@
 
 Row block `j` reads `L_j x_{j-1} + D_j x_j + U_j x_{j+1} = r_j` with `m x m`
 blocks. Block elimination without pivoting *between* blocks, each pivot block
-factored with partial pivoting (`lu_factor`), writes `A = L^ U^`:
+factored with partial pivoting (`_dense.lu_factor`), writes `A = L^ U^`:
 
     L^ = block lower bidiagonal: S_j on the diagonal, L_j below,
     U^ = block upper bidiagonal: I on the diagonal, C_j above,
@@ -25,9 +25,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.scipy.linalg import lu_factor, lu_solve
 
 from . import _checks
+from ._dense import lu_factor, lu_solve, mm, solve
 from ._tridiagonal import _shift_down, _shift_up
 
 
@@ -43,8 +43,8 @@ class BlockTridiagonalFactors(NamedTuple):
     lower: jax.Array  # (n, m, m)
     diag: jax.Array
     upper: jax.Array
-    lu: jax.Array  # (n, m, m): LU of the pivot blocks S_j (lu_factor's packed form)
-    pivots: jax.Array  # (n, m)
+    lu: jax.Array  # (n, m, m): LU of the pivot blocks S_j (packed: L below the diagonal)
+    pivots: jax.Array  # (n, m): each pivot block's row permutation (`_dense.lu_factor`)
     C: jax.Array  # (n, m, m): S_j^{-1} U_j
 
 
@@ -96,7 +96,7 @@ def block_tridiagonal_factor(lower, diag, upper) -> BlockTridiagonalFactors:
 
     def step(C_prev, row):
         L, D, U = row
-        S = D - L @ C_prev
+        S = D - mm(L, C_prev)
         lu, piv = lu_factor(S)
         C = lu_solve((lu, piv), U)
         return C, (lu, piv, C)
@@ -115,7 +115,7 @@ def _solve(f: BlockTridiagonalFactors, rhs):
     """`A^{-1} rhs` for `rhs` of shape `(n, m, k)`: forward, then backward sweep."""
     def forward(y_prev, row):
         lu, piv, L, r = row
-        y = lu_solve((lu, piv), r - L @ y_prev)
+        y = lu_solve((lu, piv), r - mm(L, y_prev))
         return y, y
 
     zero = jnp.zeros_like(rhs[0])
@@ -123,7 +123,7 @@ def _solve(f: BlockTridiagonalFactors, rhs):
 
     def backward(x_next, row):
         C, y = row
-        x = y - C @ x_next
+        x = y - mm(C, x_next)
         return x, x
 
     _, x = lax.scan(backward, zero, (f.C, y), reverse=True)
@@ -134,7 +134,7 @@ def _solve_transposed(f: BlockTridiagonalFactors, rhs):
     """`A^{-T} rhs` (plain transpose, also for complex) with the same factors."""
     def forward(w_prev, row):
         C_prev, r = row
-        w = r - C_prev.T @ w_prev
+        w = r - mm(C_prev.T, w_prev)
         return w, w
 
     zero = jnp.zeros_like(rhs[0])
@@ -144,7 +144,7 @@ def _solve_transposed(f: BlockTridiagonalFactors, rhs):
 
     def backward(z_next, row):
         lu, piv, L, w = row
-        z = lu_solve((lu, piv), w - L.T @ z_next, trans=1)
+        z = lu_solve((lu, piv), w - mm(L.T, z_next), trans=True)
         return z, z
 
     _, z = lax.scan(backward, zero, (f.lu, f.pivots, L_next, w), reverse=True)
@@ -152,7 +152,7 @@ def _solve_transposed(f: BlockTridiagonalFactors, rhs):
 
 
 def _matvec(f: BlockTridiagonalFactors, x):
-    return f.lower @ _shift_down(x) + f.diag @ x + f.upper @ _shift_up(x)
+    return mm(f.lower, _shift_down(x)) + mm(f.diag, x) + mm(f.upper, _shift_up(x))
 
 
 def block_tridiagonal_solve_factored(factors: BlockTridiagonalFactors, rhs):
@@ -347,5 +347,5 @@ def cyclic_block_tridiagonal_solve(lower, diag, upper, rhs):
     y, Z = both[..., :k], both[..., k:]
     Vy = jnp.concatenate([y[-1], y[0]])  # (2m, k)
     VZ = jnp.concatenate([Z[-1], Z[0]])  # (2m, 2m)
-    correction = jnp.linalg.solve(jnp.eye(2 * m, dtype=dtype) + VZ, Vy)
-    return (y - Z @ correction).reshape(shape)
+    correction = solve(jnp.eye(2 * m, dtype=dtype) + VZ, Vy)
+    return (y - mm(Z, correction)).reshape(shape)

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.scipy.linalg import solve_triangular
 
 from . import _checks, _driver, _method, _reduce
+from ._dense import mm, qr, solve_triangular
 from . import _tree as tree
 from ._driver import Outcome, Problem
 from ._method import nonzero
@@ -186,7 +186,7 @@ def _least_squares(H, beta, j, row: int = 0):
     fill = (rows == cols + 1).astype(H.dtype)  # unit vectors below the used rows
     A = jnp.where(cols < j, jnp.pad(H, ((0, 0), (0, 1))),
                   jnp.where((rows == row) & (cols == m), jnp.asarray(beta, H.dtype), fill))
-    R = jnp.linalg.qr(A, mode="r")
+    R = qr(A, mode="r")
     y = solve_triangular(R[:m, :m], R[:m, m], lower=False)
     return jnp.where(_indices(m) < j, y, 0)
 
@@ -318,14 +318,14 @@ def _one_sync_step(cy: _OneSyncCycle, ctx: _Context) -> _OneSyncCycle:
         # z_k - q_k = sum_i c_i (w_i - z_i) / nu, with w_i - z_i = C_i - U_i
         # on the block and -(C - U) E[:, i] after it: one column of E.
         offset = E.shape[0]
-        E = _put(E, k, jnp.where(go, (c[:offset] - E @ c[: E.shape[1]]) / nu_h, 0), axis=1)
+        E = _put(E, k, jnp.where(go, (c[:offset] - mm(E, c[: E.shape[1]])) / nu_h, 0), axis=1)
     if Z is not None:
         Z = tree.basis_fill(Z, k, [tree.scale(1.0 / nu, tree.sub(
             mu, tree.basis_combine(Z, c[: cy.H.shape[0] - 1])))], go)
     # H[:, :k] c[:k], the finished column k - 1 included: the stored columns
     # 1..k (k still unfinished there) times c (shifted with them), plus the
     # finishing update times c[k - 1] (at k = 0, c = 0 wherever the index lands).
-    Hc = cy.H @ jnp.pad(c[:-1], (1, 0)) + (finished_col - column) * _get(c, k - 1)
+    Hc = mm(cy.H, jnp.pad(c[:-1], (1, 0))) + (finished_col - column) * _get(c, k - 1)
     h_next = (_put(qw_old, k, qk_w) - Hc) / nu_h
     # columns k - 1 and k (stored at k, k + 1) in one update; the new column is
     # read only once accepted, so it needs no mask
@@ -454,7 +454,7 @@ def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int, renew=None)
         else:  # directions [U, V + D E], D = C - U: V y + D (E y - y_C)
             D = tree.sub(C, U)
             update = tree.add(tree.basis_combine(V, _pad(y, V)),
-                              tree.basis_combine(D, E[:, : y.shape[0]] @ y - y[:offset]))
+                              tree.basis_combine(D, mm(E[:, : y.shape[0]], y) - y[:offset]))
         space = renew(V, Z, H, est, st.space, go, E, D)
     x = tree.where(zero_b, tree.zeros_like(b), tree.add(x, update))
     # After a cycle the next pass checks the true residual; with no cycle run,

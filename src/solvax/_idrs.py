@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.scipy.linalg import solve_triangular
 
 from . import _checks, _driver, _method, _reduce
+from ._dense import mm, solve_triangular
 from . import _tree as tree
 from ._driver import Outcome, Problem
 from ._method import masked_div, negligible, nonzero
@@ -57,7 +57,9 @@ def shadow_space(b: PyTree, s: int, key, axes: tuple = (), size: int | None = No
     size; inside `shard_map` pass the global one), so no leaf is
     gathered and the space is the same on every run. Inside `shard_map` the
     key is also folded with each shard's index along `axes`, so the shards
-    hold different pieces."""
+    hold different pieces. The draws are float32 (then cast): a 64-bit draw
+    bitcasts 64-bit random bits, which a TPU cannot lower for float64, and
+    a shadow space needs no more than float32's randomness."""
     for name in axes:
         key = jax.random.fold_in(key, lax.axis_index(name))
     size = tree.size(b) if size is None else size
@@ -65,11 +67,11 @@ def shadow_space(b: PyTree, s: int, key, axes: tuple = (), size: int | None = No
     out = []
     for i, leaf in enumerate(leaves):
         k = jax.random.fold_in(key, i)
-        real = jnp.finfo(leaf.dtype).dtype
-        draw = jax.random.normal(k, (s, *leaf.shape), real)
+        real = jnp.promote_types(jnp.finfo(leaf.dtype).dtype, jnp.float32)
+        draw = jax.random.normal(k, (s, *leaf.shape), jnp.float32).astype(real)
         if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
-            imag = jax.random.normal(jax.random.fold_in(k, 1), (s, *leaf.shape), real)
-            draw = lax.complex(draw, imag) * jnp.asarray(np.sqrt(0.5), real)
+            imag = jax.random.normal(jax.random.fold_in(k, 1), (s, *leaf.shape), jnp.float32)
+            draw = lax.complex(draw, imag.astype(real)) * jnp.asarray(np.sqrt(0.5), real)
         out.append((draw * jnp.asarray(1 / np.sqrt(size), real)).astype(leaf.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -108,7 +110,7 @@ def _inner_step(st: _State, j: int, ctx: _Context) -> _State:
         alpha = _guard(st.go, solve_triangular(st.Mp[:j, :j], pg[:j], lower=True))
         g = tree.sub(g, _combine(st.G[:j], alpha))
         u = tree.sub(u, _combine(st.U[:j], alpha))
-        column = pg - st.Mp[:, :j] @ alpha
+        column = pg - mm(st.Mp[:, :j], alpha)
     column = jnp.where(index >= j, column, 0)  # P^H G_j, biorthogonalized
     pivot = column[j]
     # P_j^H G_j ~ 0 next to |P^H G_j| (the vectors are normalized alike): IDR's breakdown

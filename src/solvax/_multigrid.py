@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _block_tridiagonal, _checks, _precond
+from . import _block_tridiagonal, _checks, _dense, _precond
 from ._stencil import StencilOperator, _edge_mask, _shifts, _unit_shift, global_index, stored_half
 
 CYCLES = ("V", "W", "F")
@@ -554,7 +554,7 @@ def _dense_inverse(op: StencilOperator):
     dtype = jnp.result_type(*op.stored.values())
     eye = jnp.eye(size, dtype=dtype).reshape((size,) + op.shape)
     columns = jax.vmap(op)(eye).reshape(size, size)   # row k: A e_k
-    return jnp.linalg.pinv(columns.T)
+    return _dense.pinv(columns.T)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -646,9 +646,14 @@ def _replicated(x):
     partitioner replicates (the coarsest grid in a cycle; the coefficients
     the line factors are computed from: factors computed from a grid still
     split across devices came out split too, and every cycle gathered them
-    again, 256 KB per cycle for a 32^2 level on 8 devices)."""
+    again, 256 KB per cycle for a 32^2 level on 8 devices). Where the dtype
+    is emulated (float64 on a TPU, which lowers no float64 triangular solve)
+    a product with the identity at full precision, exact too, whose sharded
+    contraction the partitioner also returns replicated."""
     rows = x.reshape(x.shape[0], math.prod(x.shape[1:]))
     eye = jnp.eye(rows.shape[0], dtype=x.dtype)
+    if _dense.emulated(x.dtype):
+        return _dense.mm(eye, rows).reshape(x.shape)
     solved = jax.lax.linalg.triangular_solve(eye, rows, left_side=True, lower=True)
     return solved.reshape(x.shape)
 
@@ -1003,7 +1008,7 @@ class Multigrid:
         else:
             inverse = self.coarse_inverse.astype(r.dtype)
             whole = _replicated(grid.reshape(inverse.shape[0], 1))
-            z = (inverse @ whole)[:, 0].reshape(grid.shape)
+            z = _dense.mm(inverse, whole)[:, 0].reshape(grid.shape)
         return _own_block(z, r.shape, names)
 
     def _smooth(self, level: _Level, x, r, post: bool = False):

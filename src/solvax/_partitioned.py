@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _checks
+from ._dense import mm, solve
 from ._parallel import shard_map
 from ._tridiagonal import (
     _check_bands,
@@ -266,18 +267,19 @@ def _block_reduced_solve(v0, vl, w0, wl, y0, yl):
     def forward(carry, row):
         g2_prev, t2_prev = carry  # previous partition: x_L = t2 - g2 x_next
         v0, vl, w0, wl, y0, yl = row
-        pivot = eye - v0 @ g2_prev
-        t1 = jnp.linalg.solve(pivot, y0 - v0 @ t2_prev)
-        g1 = jnp.linalg.solve(pivot, w0)
-        t2 = yl - vl @ t2_prev + vl @ g2_prev @ t1
-        g2 = wl + vl @ g2_prev @ g1
+        pivot = eye - mm(v0, g2_prev)
+        t1 = solve(pivot, y0 - mm(v0, t2_prev))
+        g1 = solve(pivot, w0)
+        t2 = yl - mm(vl, t2_prev) + mm(mm(vl, g2_prev), t1)
+        g2 = wl + mm(mm(vl, g2_prev), g1)
         return (g2, t2), (g1, t1, g2, t2)
 
     _, (g1, t1, g2, t2) = lax.scan(forward, (zero_g, zero_t), (v0, vl, w0, wl, y0, yl))
 
     def backward(x_next_first, row):
         g1, t1, g2, t2 = row
-        return t1 - g1 @ x_next_first, (t1 - g1 @ x_next_first, t2 - g2 @ x_next_first)
+        x0 = t1 - mm(g1, x_next_first)
+        return x0, (x0, t2 - mm(g2, x_next_first))
 
     _, (x0, xl) = lax.scan(backward, zero_t, (g1, t1, g2, t2), reverse=True)
     return x0, xl
@@ -308,7 +310,7 @@ def _block_forward(lower, diag, upper, rhs, axis_name):
     prev, nxt = jnp.maximum(p - 1, 0), jnp.minimum(p + 1, nparts - 1)
     x_prev = jnp.where(p == 0, 0, xl[prev])
     x_next = jnp.where(p == nparts - 1, 0, x0[nxt])
-    x = y - v @ x_prev - w @ x_next
+    x = y - mm(v, x_prev) - mm(w, x_next)
     neighbours = (jnp.where(p == 0, 0, parts[5][prev]),  # the previous partition's upper[-1]
                   jnp.where(p == nparts - 1, 0, parts[4][nxt]))  # the next one's lower[0]
     return x, (x_prev, x_next), neighbours
@@ -325,8 +327,8 @@ def _partitioned_block_jvp(axis_name, primals, tangents):
     dlower, ddiag, dupper, drhs = tangents
     x, (x_prev, x_next), (upper_prev, lower_next) = _block_forward(lower, diag, upper, rhs,
                                                                   axis_name)
-    dA_x = (dlower @ _with_halo_down(x, x_prev) + ddiag @ x
-            + dupper @ _with_halo_up(x, x_next))
+    dA_x = (mm(dlower, _with_halo_down(x, x_prev)) + mm(ddiag, x)
+            + mm(dupper, _with_halo_up(x, x_next)))
     swap = lambda a: jnp.swapaxes(a, -1, -2)  # noqa: E731
     lower_t = swap(_with_halo_down(upper, upper_prev))  # blocks of A^T
     upper_t = swap(_with_halo_up(lower, lower_next))
@@ -335,8 +337,8 @@ def _partitioned_block_jvp(axis_name, primals, tangents):
         nparts = _axis_size(axis_name)
         down = lax.ppermute(z[-1], axis_name, [(q, q + 1) for q in range(nparts - 1)])
         up = lax.ppermute(z[0], axis_name, [(q + 1, q) for q in range(nparts - 1)])
-        return (lower @ _with_halo_down(z, down) + diag @ z
-                + upper @ _with_halo_up(z, up))
+        return (mm(lower, _with_halo_down(z, down)) + mm(diag, z)
+                + mm(upper, _with_halo_up(z, up)))
 
     dx = lax.custom_linear_solve(
         matvec, drhs - dA_x,

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _checks, _reduce
+from ._dense import PRECISION, eigvalsh, inv
 from . import _tree as tree
 
 PyTree = Any
@@ -62,14 +63,15 @@ def block_jacobi(blocks: jax.Array) -> Callable[[jax.Array], jax.Array]:
     if blocks.ndim != 3 or blocks.shape[1] != blocks.shape[2]:
         raise ValueError(f"`blocks` must have shape (nb, bs, bs); got {tuple(blocks.shape)}.")
     nb, bs, _ = blocks.shape
-    inverse = jnp.linalg.inv(blocks)  # LU factorization, once
+    inverse = inv(blocks)  # LU factorization, once
 
     def precond(r):
         if r.shape[0] != nb * bs:
             raise ValueError(f"block_jacobi: the vector's leading axis must be nb * bs = "
                              f"{nb * bs}; got shape {tuple(r.shape)}.")
         local = r.reshape(nb, bs, *r.shape[1:])
-        out = jnp.einsum("nij,nj...->ni...", inverse.astype(jnp.result_type(inverse, r)), local)
+        out = jnp.einsum("nij,nj...->ni...", inverse.astype(jnp.result_type(inverse, r)), local,
+                         precision=PRECISION)
         return out.reshape(r.shape).astype(r.dtype)
 
     return precond
@@ -184,5 +186,5 @@ def estimate_spectrum(matvec: Callable[[PyTree], PyTree], v: PyTree, *, steps: i
     # entry, which lies inside the Ritz range, so they do not move its ends.
     diag = jnp.where(jnp.isnan(alphas), alphas[0], alphas)
     T = jnp.diag(diag) + jnp.diag(betas[:-1], 1) + jnp.diag(betas[:-1], -1)
-    ritz = jnp.linalg.eigvalsh(T)
+    ritz = eigvalsh(T)
     return ritz[0], ritz[-1]

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.scipy.linalg import solve_triangular
 
 from . import _tree as tree
+from ._dense import cholesky, eigh, mm, qr, solve_triangular
 
 PyTree = Any
 
@@ -112,7 +112,7 @@ def _normalized(G, C, U):
     keep = d > 1e3 * jnp.finfo(d.dtype).eps * jnp.max(d)
     eye = jnp.eye(G.shape[0], dtype=G.dtype)
     G = jnp.where(keep[:, None] & keep[None, :], G, eye)
-    L = jnp.linalg.cholesky(G)
+    L = cholesky(G)
     Linv = solve_triangular(L, eye, lower=True)
     # C R^-1 with R = L^H: row i of the result is sum_j conj(Linv[i, j]) C_j
     coeffs = jnp.where(keep[:, None], jnp.conj(Linv), 0)
@@ -154,7 +154,7 @@ def harmonic_space(ip, V, Z, H, used, k: int, old: RecycleSpace, go, E=None,
             # W^H (v_i + (C - U) E_i) = e_i + (W^H C - W^H U) E_i, W^H C = [I; 0]
             WD = jnp.eye(p + 1, offset, dtype=WU.dtype) - WU
             G = jnp.where(np.arange(p) < offset, jnp.pad(WU, ((0, 0), (0, p - offset))),
-                          jnp.eye(p + 1, p, dtype=WU.dtype) + WD @ E_)
+                          jnp.eye(p + 1, p, dtype=WU.dtype) + mm(WD, E_))
         Q, coeffs, ok = _harmonic_coefficients(lax.stop_gradient(H), lax.stop_gradient(G),
                                                used, k)
         C = tree.basis_mix(W, Q.T)
@@ -162,7 +162,7 @@ def harmonic_space(ip, V, Z, H, used, k: int, old: RecycleSpace, go, E=None,
             U = tree.basis_mix(Zf, coeffs.T)
         else:  # Zf g = W g + D (E g - g_C)
             U = tree.add(tree.basis_mix(W, jnp.pad(coeffs, ((0, 1), (0, 0))).T),
-                         tree.basis_mix(D, (E_ @ coeffs - coeffs[:offset]).T))
+                         tree.basis_mix(D, (mm(E_, coeffs) - coeffs[:offset]).T))
         return tree.tree_map(lambda n, o: jnp.where(ok, n, o), RecycleSpace(C, U), old)
 
     return lax.cond(go, update, lambda _: old, None)
@@ -184,14 +184,14 @@ def _harmonic_coefficients(H, G, used, k: int):
     rows, cols = np.indices((p + 1, p), dtype=np.int32)
     live = np.arange(p, dtype=np.int32) < used
     Hb = jnp.where(cols < used, H, (rows == cols + 1).astype(H.dtype))
-    M = jnp.conj(Hb.T) @ jnp.where(cols < used, G, 0)
+    M = mm(jnp.conj(Hb.T), jnp.where(cols < used, G, 0))
     M = jnp.where(live[:, None] & live[None, :], M, 0)
-    L = jnp.linalg.cholesky(jnp.conj(Hb.T) @ Hb)
+    L = cholesky(mm(jnp.conj(Hb.T), Hb))
     T = solve_triangular(L, M, lower=True)  # L^-1 M
     S = jnp.conj(solve_triangular(L, jnp.conj(T.T), lower=True).T)  # L^-1 M L^-H
     X = _dominant_subspace(S, k)
     g = solve_triangular(jnp.conj(L.T), X, lower=False)  # L^-H X
-    Q, R = jnp.linalg.qr(Hb @ g)
+    Q, R = qr(mm(Hb, g))
     coeffs = jnp.conj(solve_triangular(jnp.conj(R.T), jnp.conj(g.T), lower=True).T)  # g R^-1
     # at least k live directions with mu != 0 (an unused slot's column of M is 0)
     enough = jnp.sum(live & (jnp.sum(jnp.abs(M), axis=0) > 0)) >= k
@@ -205,12 +205,12 @@ def _dominant_subspace(S, k: int):
     (normalized at each squaring), from a fixed generic start."""
     P = S / jnp.maximum(jnp.linalg.norm(S), jnp.finfo(jnp.real(S).dtype).tiny)
     for _ in range(3):
-        P = P @ P
+        P = mm(P, P)
         P = P / jnp.maximum(jnp.linalg.norm(P), jnp.finfo(jnp.real(P).dtype).tiny)
     start = np.random.default_rng(0).standard_normal((S.shape[0], k))
-    X = jnp.linalg.qr(jnp.asarray(start, S.dtype))[0]
-    X = lax.fori_loop(0, SUBSPACE_ITERATIONS, lambda _, X: jnp.linalg.qr(P @ X)[0], X)
-    return jnp.linalg.qr(S @ X)[0]
+    X = qr(jnp.asarray(start, S.dtype))[0]
+    X = lax.fori_loop(0, SUBSPACE_ITERATIONS, lambda _, X: qr(mm(P, X))[0], X)
+    return qr(mm(S, X))[0]
 
 
 def ritz_space(ip, U, C, P, Q, curvatures, k: int, old: RecycleSpace) -> RecycleSpace:
@@ -238,7 +238,7 @@ def ritz_space(ip, U, C, P, Q, curvatures, k: int, old: RecycleSpace) -> Recycle
     s = jnp.where(live, 1 / jnp.sqrt(jnp.where(live, d, 1)), 0).astype(G.dtype)
     S = s[:, None] * G * s[None, :]
     S = (S + jnp.conj(S.T)) / 2
-    values, vectors = jnp.linalg.eigh(S)
+    values, vectors = eigh(S)
     values, vectors = values[-k:], vectors[:, -k:]   # the largest: the smallest Ritz values
     wanted = values > 1e3 * jnp.finfo(real).eps * jnp.maximum(jnp.max(values), 0)
     y = jnp.where(wanted[None, :], s[:, None] * vectors, 0)

@@ -23,11 +23,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _checks
 from . import _tree as tree
 from ._closure import close
+from ._dense import PRECISION
 
 PyTree = Any
 Pair = tuple[PyTree, PyTree]
@@ -120,10 +122,32 @@ class Reduction(abc.ABC):
         largest = self.max_abs(x)
         if largest is None:
             return None
-        _, exponent = jnp.frexp(jnp.where(largest > 0, largest, 1))
-        # 2^(e - 1) <= largest < 2^e; a non-finite largest propagates
-        scale = jnp.ldexp(jnp.ones_like(largest), exponent - 1)
-        return jnp.where(jnp.isfinite(largest), scale, largest)
+        scale = power_of_two_below(jnp.where(largest > 0, largest, 1))
+        return jnp.where(jnp.isfinite(largest), scale, largest)  # NaN or Inf propagates
+
+
+def power_of_two_below(value: jax.Array) -> jax.Array:
+    """`2^floor(log2 value)` for positive finite `value`, exactly: what
+    `ldexp(1, frexp(value)[1] - 1)` gives, from compares and multiplications by
+    powers of two alone. `frexp`/`ldexp` bitcast to the integer type of the
+    same width, which a TPU cannot lower for 64-bit floats (it emulates
+    float64 in 32-bit pieces); this lowers everywhere. A binary search on the
+    exponent, largest step first: ~2 log2(maxexp) scalar selects. A value
+    below the smallest normal number gets that number (`finfo.tiny`): a
+    backend that flushes subnormals to zero would otherwise return 0."""
+    dtype = value.dtype
+    bits = int(np.ceil(np.log2(jnp.finfo(dtype).maxexp)))
+    tiny = jnp.asarray(jnp.finfo(dtype).tiny, dtype)
+    scale, rest = jnp.ones_like(value), value
+    for k in reversed(range(bits)):  # value >= 2: divide out 2^(2^k) while rest >= it
+        step = jnp.asarray(np.ldexp(1.0, 2**k), dtype)
+        up = rest >= step
+        rest, scale = jnp.where(up, rest / step, rest), jnp.where(up, scale * step, scale)
+    for k in reversed(range(bits)):  # value < 1: multiply by 2^(2^k) while rest stays < 2
+        step = jnp.asarray(np.ldexp(1.0, 2**k), dtype)
+        down = (rest * step < 2) & (scale / step >= tiny)
+        rest, scale = jnp.where(down, rest * step, rest), jnp.where(down, scale / step, scale)
+    return scale
 
 
 @jax.tree_util.register_pytree_node_class
@@ -209,7 +233,7 @@ class InnerProduct(Reduction):
         all-reduce), the per-leaf blocks added before the one global sum."""
         def block(v, w):
             axes = tuple(range(1, v.ndim))
-            return lax.dot_general(jnp.conj(v), w, ((axes, axes), ((), ())))
+            return lax.dot_general(jnp.conj(v), w, ((axes, axes), ((), ())), precision=PRECISION)
 
         partials = [block(v, w) for v, w in
                     zip(self._leaves(basis), self._leaves(other, weighted=True))]
@@ -328,7 +352,8 @@ def _basis_times(v: jax.Array, x: jax.Array) -> jax.Array:
     """`V^T x` for a basis leaf `(m, *shape)` and `x` of shape `shape` (or
     `(*shape, s)`): one contraction over the vector axes, basis first."""
     axes = tuple(range(v.ndim - 1))
-    return lax.dot_general(v, x, ((tuple(a + 1 for a in axes), axes), ((), ())))
+    return lax.dot_general(v, x, ((tuple(a + 1 for a in axes), axes), ((), ())),
+                           precision=PRECISION)
 
 
 def real_sqrt(value: jax.Array) -> jax.Array:

@@ -40,6 +40,7 @@ import numpy as np
 from jax import lax
 
 from . import _checks, _driver, _method, _reduce
+from ._dense import eigh, eigvalsh, mm
 from . import _tree as tree
 from ._driver import Outcome, Problem
 from ._solution import RUNNING, Status, code, first_status
@@ -158,7 +159,7 @@ def _spectral(W, eps):
     eigenvalues kept as numerically nonzero."""
     diag = jnp.real(jnp.diagonal(W))
     d = jnp.where(diag > 0, 1 / jnp.sqrt(jnp.where(diag > 0, diag, 1)), 0).astype(W.dtype)
-    lam, U = jnp.linalg.eigh(_hermitian(d[:, None] * W * d[None, :]))
+    lam, U = eigh(_hermitian(d[:, None] * W * d[None, :]))
     top = jnp.max(jnp.abs(lam))
     keep = lam > eps ** _RANK_POWER * top
     return U, lam, d, keep
@@ -169,7 +170,7 @@ def _pinv_times(spec, rhs):
     U, lam, d, keep = spec
     inv = jnp.where(keep, 1 / jnp.where(keep, lam, 1), 0).astype(U.dtype)
     rhs2 = rhs if rhs.ndim == 2 else rhs[:, None]
-    out = d[:, None] * (U @ (inv[:, None] * (jnp.conj(U.T) @ (d[:, None] * rhs2))))
+    out = d[:, None] * mm(U, inv[:, None] * mm(jnp.conj(U.T), d[:, None] * rhs2))
     return out if rhs.ndim == 2 else out[:, 0]
 
 
@@ -180,7 +181,7 @@ def _largest_ritz(G, N, eps):
     U, lam, d, keep = _spectral(N, eps)
     root = jnp.where(keep, 1 / jnp.sqrt(jnp.where(keep, lam, 1)), 0).astype(U.dtype)
     S = d[:, None] * U * root[None, :]  # N^{-1/2} on the kept directions
-    return jnp.max(jnp.linalg.eigvalsh(_hermitian(jnp.conj(S.T) @ G @ S)))
+    return jnp.max(eigvalsh(_hermitian(mm(mm(jnp.conj(S.T), G), S))))
 
 
 def _coordinates(W, XZ, s: int, eps: float):
@@ -191,9 +192,9 @@ def _coordinates(W, XZ, s: int, eps: float):
     G, C = XZ[:s, :s], XZ[s:2 * s, :s]  # V^H A V, Q^H A V
     Vr, Qr = XZ[:s, s], XZ[s:2 * s, s]  # V^H r, Q^H r
     B = _pinv_times(W, C)  # (s, s); 0 at the first step (Q = 0)
-    Wn = _hermitian(G - jnp.conj(C.T) @ B)  # P^H A P
+    Wn = _hermitian(G - mm(jnp.conj(C.T), B))  # P^H A P
     spec = _spectral(Wn, eps)
-    a = _pinv_times(spec, Vr - jnp.conj(B.T) @ Qr)
+    a = _pinv_times(spec, Vr - mm(jnp.conj(B.T), Qr))
     return B, Wn, spec, a
 
 
@@ -215,7 +216,7 @@ def _step_status(rr, tol2, Wn, spec, eps: float):
 def _next_bases(X, AV, AQR, B, a, s: int):
     """One pass over `X = [V, Q, x, r]` gives `[P; x + P a]` (`P = V - Q B`),
     one over `[A V, A Q, r]` gives `[A P; r - A P a]`."""
-    Ba = B @ a
+    Ba = mm(B, a)
     K = (jnp.zeros((s + 1, 2 * s + 2), B.dtype).at[:s, :s].set(jnp.eye(s, dtype=B.dtype))
          .at[:s, s:2 * s].set(-B.T).at[s, :s].set(a).at[s, s:2 * s].set(-Ba).at[s, 2 * s].set(1))
     QX = tree.basis_mix(X, K)

@@ -17,6 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._dense import PRECISION
+
 PyTree = Any
 MatVec = Callable[[PyTree], PyTree]
 
@@ -141,7 +143,7 @@ def basis_join(parts: list[PyTree]) -> PyTree:
 def basis_mix(basis: PyTree, coeffs) -> PyTree:
     """The basis whose row i is `sum_j coeffs[i, j] * basis[j]`: one contraction
     over the basis axis per leaf (a GEMM reading the basis once)."""
-    return tree_map(lambda leaf: jnp.tensordot(like(coeffs, leaf), leaf, axes=(1, 0)), basis)
+    return tree_map(lambda leaf: jnp.tensordot(like(coeffs, leaf), leaf, axes=(1, 0), precision=PRECISION), basis)
 
 
 def basis_combine(basis: PyTree, coeffs) -> PyTree:
@@ -158,7 +160,7 @@ def basis_combine_many(basis: PyTree, coeffs: list) -> list[PyTree]:
     stacked = jnp.stack(coeffs)
 
     def combine(leaf):
-        return jnp.tensordot(like(stacked, leaf), leaf, axes=(1, 0))
+        return jnp.tensordot(like(stacked, leaf), leaf, axes=(1, 0), precision=PRECISION)
 
     combined = tree_map(combine, basis)
     return [tree_map(lambda leaf, i=i: leaf[i], combined) for i in range(len(coeffs))]

@@ -1,0 +1,174 @@
+"""What a TPU taught, pinned on the CPU (`benchmarks/accelerator.py` runs the
+same cases on a chip): jaxpr scans of every registered solver, preconditioner
+and structured solve for what an accelerator runs differently.
+
+- A floating `dot_general` without precision HIGHEST runs as one bfloat16
+  pass on a TPU (gcrot diverged in float32 there): every product states it.
+- A TPU emulates float64: 64-bit bitcasts (frexp, ldexp, nextafter, 64-bit
+  random bits) and float64 factorizations (LU, eigh, SVD, QR, Cholesky,
+  triangular solves) do not lower or compile for minutes. In `_dense.portable()`
+  (the form the library takes where `_dense.emulated` says so) no such
+  primitive on a 64-bit operand remains.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import SOLVERS, rel_err
+
+import solvax as sx
+from solvax import _dense
+
+SHAPE = (16, 16)
+# linalg primitives a TPU cannot run in float64 (or compiles for minutes)
+FACTORIZATIONS = {"lu", "eigh", "svd", "cholesky", "qr", "geqrf", "geqp3", "householder_product",
+                  "triangular_solve", "lu_pivots_to_permutation", "schur", "eig", "hessenberg"}
+
+
+def _subjaxprs(eqn):
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, tuple | list) else (value,):
+            sub = getattr(sub, "jaxpr", sub)
+            if hasattr(sub, "eqns"):
+                yield sub
+
+
+def offences(jaxpr) -> list[str]:
+    """What in `jaxpr` (nested ones too) an accelerator runs differently."""
+    found = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        dtypes = [jnp.dtype(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars)
+                  if hasattr(v.aval, "dtype")
+                  and not jnp.issubdtype(v.aval.dtype, jax.dtypes.extended)]
+        wide = any(d.itemsize == 8 for d in dtypes)
+        floating = any(jnp.issubdtype(d, jnp.inexact) for d in dtypes)
+        where = jax._src.source_info_util.summarize(eqn.source_info)
+        if name == "dot_general" and floating:
+            precision = eqn.params.get("precision")
+            stated = (precision if isinstance(precision, tuple) else (precision,))
+            if not all(p is not None and str(p).endswith("HIGHEST") for p in stated):
+                found.append(f"dot_general without HIGHEST at {where}")
+        elif name in ("bitcast_convert_type", "random_bits") and wide:
+            found.append(f"64-bit {name} at {where}")
+        elif name in ("nextafter", "frexp", "ldexp"):
+            found.append(f"{name} at {where}")
+        elif name in FACTORIZATIONS and wide and floating and _dense._FORCED[0]:
+            found.append(f"float64 {name} at {where}")
+        for sub in _subjaxprs(eqn):
+            found += offences(sub)
+    return found
+
+
+def scan(fn, *args) -> list[str]:
+    return sorted(set(offences(jax.make_jaxpr(fn)(*args).jaxpr)))
+
+
+@functools.cache
+def problem(dtype):
+    k = jnp.ones(SHAPE, dtype)
+    op = sx.diffusion_operator(k, shape=SHAPE, spacing=1 / 16)
+    return op, jnp.ones(SHAPE, dtype), sx.multigrid(op)
+
+
+@pytest.mark.parametrize("name", list(SOLVERS))
+def test_every_solver_states_precision_and_lowers_float64(name):
+    """Primal and gradient, float32 and float64, with and without multigrid,
+    and in float64 in the portable form too: nothing a TPU runs differently."""
+    solve = SOLVERS[name].solve
+    for dtype in (jnp.float32, jnp.float64):
+        op, b, mg = problem(dtype)
+        for precond in (None, mg):
+            options = {} if precond is None else {"precond": precond}
+
+            def loss(b, options=options):
+                return jnp.sum(solve(op, b, **options).x ** 2)
+
+            assert scan(jax.grad(loss), b) == [], (jnp.dtype(dtype).name, precond is None)
+    with _dense.portable():
+        op, b, mg = problem(jnp.float64)
+        assert scan(jax.grad(lambda b: jnp.sum(solve(op, b, precond=mg).x ** 2)), b) == []
+
+
+def test_preconditioners_and_structured_solves_lower_float64():
+    rng = np.random.default_rng(0)
+    n, m = 12, 3
+    blocks = [jnp.asarray(rng.standard_normal((n, m, m))) + 4 * jnp.eye(m) for _ in range(3)]
+    bands = [jnp.asarray(rng.standard_normal(n)) for _ in range(3)]
+    bands[1] = bands[1] + 4
+    rhs = jnp.asarray(rng.standard_normal((n, m)))
+    vec = jnp.asarray(rng.standard_normal(n))
+    op, b, _ = problem(jnp.float64)
+    cases = {
+        "tridiagonal": lambda: sx.tridiagonal_solve(*bands, vec),
+        "cyclic tridiagonal": lambda: sx.cyclic_tridiagonal_solve(*bands, vec),
+        "block tridiagonal": lambda: sx.block_tridiagonal_solve(*blocks, rhs),
+        "cyclic block": lambda: sx.cyclic_block_tridiagonal_solve(*blocks, rhs),
+        "banded": lambda: sx.banded_solve(jnp.stack(bands), vec, lower_bandwidth=1,
+                                          upper_bandwidth=1),
+        "block jacobi": lambda: sx.block_jacobi(blocks[1])(rhs.reshape(n * m)),
+        "spectrum estimate": lambda: sx.estimate_spectrum(op, b),
+        "multigrid lines": lambda: sx.multigrid(op, coarse="lines")(b),
+    }
+    with _dense.portable():
+        for name, case in cases.items():
+            found = scan(lambda: jax.tree_util.tree_leaves(case())[0])
+            assert found == [], name
+
+
+def test_power_of_two_scale_is_exact_without_bitcasts():
+    """`power_of_two_below` equals frexp's power of two on every normal
+    number (subnormals: the smallest normal one), float32 and float64."""
+    from solvax._reduce import power_of_two_below
+
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64):
+        info = np.finfo(dtype)
+        v = np.exp(rng.uniform(np.log(info.tiny), np.log(info.max), 4000))
+        v = np.concatenate([v, [info.tiny, info.max, 1, 2, 0.5, 3, info.tiny / 2]]).astype(dtype)
+        got = np.asarray(jax.jit(power_of_two_below)(jnp.asarray(v)))
+        want = np.maximum(np.ldexp(np.ones_like(v), np.frexp(v)[1] - 1), info.tiny)
+        np.testing.assert_array_equal(got, want)
+        assert scan(power_of_two_below, jnp.asarray(v)) == []
+
+
+@pytest.mark.parametrize("n", [1, 5, 33])
+def test_portable_factorizations_match_numpy(n):
+    """The forms a TPU runs in float64, on this CPU, against NumPy."""
+    rng = np.random.default_rng(n)
+    a = rng.standard_normal((n, n))
+    spd = a @ a.T + n * np.eye(n)
+    b = rng.standard_normal((n, 2))
+    tall = rng.standard_normal((n + 2, n))
+    with _dense.portable():
+        a_, spd_, b_ = map(jnp.asarray, (a, spd, b))
+        lu = _dense.lu_factor(a_)
+        assert rel_err(_dense.lu_solve(lu, b_), np.linalg.solve(a, b)) < 1e-10
+        assert rel_err(_dense.lu_solve(lu, b_, trans=True), np.linalg.solve(a.T, b)) < 1e-10
+        assert rel_err(_dense.inv(jnp.stack([spd_, spd_])), np.linalg.inv([spd, spd])) < 1e-12
+        assert rel_err(_dense.cholesky(spd_), np.linalg.cholesky(spd)) < 1e-12
+        q, r = _dense.qr(jnp.asarray(tall))
+        assert rel_err(q @ r, tall) < 1e-13 and rel_err(q.T @ q, np.eye(n)) < 1e-13
+        assert rel_err(jnp.abs(_dense.qr(jnp.asarray(tall), mode="r")),
+                       np.abs(np.linalg.qr(tall, mode="r"))) < 1e-12
+        values, vectors = _dense.eigh(spd_)
+        assert rel_err(values, np.linalg.eigvalsh(spd)) < 1e-13
+        assert rel_err(spd @ vectors, vectors * values) < 1e-12
+        assert rel_err(_dense.pinv(spd_), np.linalg.pinv(spd)) < 1e-12
+        singular = np.diag(np.r_[np.arange(1.0, n), 0.0])  # the nearest case: rank n - 1
+        assert rel_err(_dense.pinv(jnp.asarray(singular)), np.linalg.pinv(singular)) < 1e-12
+
+
+@pytest.mark.parametrize("name", ["gmres", "gcrot", "pcg_s_step", "pcg_recycled", "idrs"])
+def test_portable_float64_solves_reach_their_tolerance(name):
+    """The float64 forms a TPU runs (portable factorizations, multigrid's
+    refined pseudo-inverse) converge as the library's do, on this CPU."""
+    with _dense.portable():
+        op, b, mg = problem(jnp.float64)
+        sol = SOLVERS[name].solve(op, b, precond=mg, rtol=1e-10)
+        assert sol.converged, sol.message
+        r = b - op(sol.x)
+        assert float(jnp.linalg.norm(r) / jnp.linalg.norm(b)) < 1e-9
