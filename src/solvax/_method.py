@@ -19,13 +19,14 @@ stopping threshold (`threshold`, `squared_threshold`) live on the driver's
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from . import _reduce
+from . import _tree as tree
 
 
 def nonzero(value):
@@ -60,38 +61,103 @@ def while_loop(ip: _reduce.Reduction, like, cond: Callable, body: Callable, stat
     return lax.while_loop(cond, body, ip.typed_like_results(state, like))
 
 
+#: The largest fraction of its start's squared true residual a round of
+#: `Confirmation` may end at (rounds shortened where they drift).
+_SHORTEST = 0.1
+
+
 class Confirmation(NamedTuple):
     """A method's own stopping test, confirmed on the true residual.
 
     Recurrences that update the residual (pipelined and s-step CG) can meet
     the tolerance on it while `b - A x` does not. Such a method runs in
-    rounds (`confirmed_rounds`): when its own test says converged, the round
-    ends with `pending` set and the next one restarts from `x` with the true
-    residual (`fresh`), which the next step's reduction tests; a restart
-    whose true residual is not below the previous restart's (`last`) means
-    the attainable accuracy was reached (`stalled`: `STAGNATION`).
+    rounds (`confirmed_rounds`): when its own test says converged (or its
+    recurrences can no longer be trusted), the round ends with `pending` set
+    and the next one restarts from `x` with the true residual (`fresh`),
+    which the next step's reduction tests; a restart whose true residual is
+    not below the previous restart's (`last`) means the attainable accuracy
+    was reached (`stalled`: `STAGNATION`). The start counts as a restart
+    (its residual is `b - A x0`).
+
+    With `kept` (`start(real, x)`), the iterates of the last two restarts are
+    kept in two slots, `best` naming the one with the lowest true residual:
+    a stalled solve returns that one (`returned`), never the worse iterate
+    it stalled on. Written only at restarts: no traffic in a step.
     """
 
     pending: jax.Array  # the own test met the tolerance: restart and test the true residual
     fresh: jax.Array  # the residual was just recomputed as b - A x
     last: jax.Array  # squared true residual at the previous restart (inf before one)
     stalled: jax.Array  # a restart did not lower the true residual: stop
+    kept: Any = None  # leaves (2, *shape): the iterates restarted from
+    best: jax.Array | None = None  # the slot of `kept` with the lowest true residual
+    own: jax.Array | None = None  # the own squared residual that ended the round
+    progress: jax.Array | None = None  # a round ends when its own rr <= progress * last
+    retrying: jax.Array | None = None  # the next round restarts from the best kept iterate
 
     @classmethod
-    def start(cls, real) -> Confirmation:
+    def start(cls, real, x=None) -> Confirmation:
         false = jnp.bool_(False)
-        return cls(pending=false, fresh=false, last=jnp.asarray(jnp.inf, real), stalled=false)
+        kept = None if x is None else tree.tree_map(lambda v: jnp.stack([v, v]), x)
+        eps = jnp.asarray(jnp.finfo(real).eps, real)
+        return cls(pending=false, fresh=jnp.bool_(True), last=jnp.asarray(jnp.inf, real),
+                   stalled=false, kept=kept, best=None if x is None else jnp.int32(0),
+                   own=jnp.asarray(jnp.inf, real), progress=eps, retrying=false)
 
-    def after_step(self, converged, rr, tol2) -> Confirmation:
-        """After a step whose own test says `converged`, with squared residual
-        `rr` (the true one when the step started `fresh`)."""
-        return Confirmation(pending=converged & ~self.fresh, fresh=jnp.zeros_like(self.fresh),
-                            last=jnp.where(self.fresh, rr, self.last),
-                            stalled=self.fresh & ~(rr <= tol2) & (rr >= self.last))
+    def progressed(self, rr):
+        """A round's own squared residual fell by `progress` from its start's
+        true one: end the round (van der Vorst & Ye's reliable updating:
+        sqrt(eps) in norm, shortened where rounds drift; `after_step`)."""
+        return rr <= self.progress * self.last
 
-    def restarted(self) -> Confirmation:
-        """After the restart (taken where `pending`): the next step tests the true residual."""
-        return self._replace(pending=~self.pending, fresh=self.pending)
+    def after_step(self, restart, rr, tol2) -> Confirmation:
+        """After a step whose own test says `restart` (it met the tolerance, or
+        its recurrences can no longer be trusted), with squared residual `rr`
+        (the true one when the step started `fresh`)."""
+        improved = self.fresh & (rr < self.last)
+        best = None if self.best is None else jnp.where(improved, 1 - self.best, self.best)
+        worse = self.fresh & ~(rr <= tol2) & (rr >= self.last)
+        if self.progress is None:
+            return self._replace(pending=restart & ~self.fresh, fresh=jnp.zeros_like(self.fresh),
+                                 last=jnp.where(self.fresh, rr, self.last), stalled=worse)
+        # The round drifted: its true residual came out above 4x its own, or
+        # not below its start's (CG's error only falls in exact arithmetic).
+        # The next rounds are shorter (progress -> sqrt(progress), at most
+        # _SHORTEST); a round that did not improve is retried from here with
+        # them (the best iterate stays kept) until rounds are shortest, and
+        # only then stalls.
+        worse = worse & ~(self.retrying & (rr <= self.last))  # a retry starts at the best
+        drifted = self.fresh & (rr > 4 * self.own) | worse
+        retry = worse & (self.progress < _SHORTEST)
+        pending = (restart & ~self.fresh) | retry
+        progress = jnp.where(drifted, jnp.minimum(jnp.sqrt(self.progress), _SHORTEST),
+                             self.progress)
+        return self._replace(pending=pending, fresh=jnp.zeros_like(self.fresh),
+                             last=jnp.where(improved, rr, self.last), stalled=worse & ~retry,
+                             best=best, own=jnp.where(pending, rr, self.own), progress=progress,
+                             retrying=retry)
+
+    def restart_point(self, x):
+        """Where the next round starts: `x`, or on a retry the best kept iterate."""
+        if self.kept is None:
+            return x
+        return tree.tree_map(lambda k, v: jnp.where(self.retrying, k[self.best], v), self.kept, x)
+
+    def restarted(self, x=None) -> Confirmation:
+        """After the restart from `x` (`restart_point`, taken where `pending`):
+        the next step tests the true residual; `x` goes to the slot not
+        holding the best."""
+        kept = self.kept
+        if kept is not None:
+            kept = tree.tree_map(lambda k, v: k.at[1 - self.best].set(v), kept, x)
+        return self._replace(pending=~self.pending, fresh=self.pending, kept=kept)
+
+    def returned(self, x):
+        """`x`, or where the solve stalled, the kept iterate with the lowest
+        true residual."""
+        if self.kept is None:
+            return x
+        return tree.tree_map(lambda k, v: jnp.where(self.stalled, k[self.best], v), self.kept, x)
 
 
 def confirmed_rounds(ip: _reduce.Reduction, like, state, *, checks: Callable, going: Callable,
