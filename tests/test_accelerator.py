@@ -84,13 +84,16 @@ def test_every_solver_states_precision_and_lowers_float64(name):
         for precond in (None, mg):
             options = {} if precond is None else {"precond": precond}
 
-            def loss(b, options=options):
+            def loss(b, options=options, op=op):
                 return jnp.sum(solve(op, b, **options).x ** 2)
 
             assert scan(jax.grad(loss), b) == [], (jnp.dtype(dtype).name, precond is None)
     with _dense.portable():
         op, b, mg = problem(jnp.float64)
-        assert scan(jax.grad(lambda b: jnp.sum(solve(op, b, precond=mg).x ** 2)), b) == []
+        def loss(b, op=op, mg=mg):
+            return jnp.sum(solve(op, b, precond=mg).x ** 2)
+
+        assert scan(jax.grad(loss), b) == []
 
 
 def test_preconditioners_and_structured_solves_lower_float64():
@@ -115,7 +118,7 @@ def test_preconditioners_and_structured_solves_lower_float64():
     }
     with _dense.portable():
         for name, case in cases.items():
-            found = scan(lambda: jax.tree_util.tree_leaves(case())[0])
+            found = scan(lambda case=case: jax.tree_util.tree_leaves(case())[0])
             assert found == [], name
 
 

@@ -314,8 +314,10 @@ def _pipelined_with_replacement(st: _Pipelined, ctx: _Context, b, every: int) ->
 def _confirmed_step(st: _Pipelined, ctx: _Context) -> _Pipelined:
     """A pipelined step whose stopping test is confirmed on the true residual
     (`_method.Confirmation`): a step whose own residual met the tolerance, or
-    whose recurrences drifted, ends the round (`pending`) and does not count; one after a restart whose
-    true residual is not below the previous restart's stops the solve."""
+    whose recurrences drifted, ends the round (`pending`) and does not count;
+    so does one whose own residual fell by the round's `progress` (it
+    counts); one after a restart whose true residual is not below the
+    previous restart's stops the solve (after retries: `Confirmation`)."""
     new = _pipelined_step(st, ctx)
     sc = new.sc
     stopped = ~sc.go & (sc.k <= ctx.max_steps)
@@ -326,9 +328,11 @@ def _confirmed_step(st: _Pipelined, ctx: _Context) -> _Pipelined:
     # restart, from directly computed vectors, decides INDEFINITE.
     drifted = stopped & (sc.rr > sc.tol2) & jnp.isfinite(sc.rr) & jnp.isfinite(sc.gamma)
     progressed = sc.go & st.checks.progressed(sc.rr)
-    checks = st.checks.after_step(stopped & (sc.rr <= sc.tol2) | drifted | progressed, sc.rr, sc.tol2)
-    # a pending step updated neither x nor r (alpha = 0)
-    sc = sc._replace(go=sc.go & ~checks.stalled & ~checks.pending, k=sc.k - (checks.pending & ~sc.go).astype(sc.k.dtype))
+    checks = st.checks.after_step(stopped & (sc.rr <= sc.tol2) | drifted | progressed,
+                                  sc.rr, sc.tol2)
+    # a pending step that stopped updated neither x nor r (alpha = 0)
+    uncounted = (checks.pending & ~sc.go).astype(sc.k.dtype)
+    sc = sc._replace(go=sc.go & ~checks.stalled & ~checks.pending, k=sc.k - uncounted)
     return new._replace(sc=sc, checks=checks)
 
 

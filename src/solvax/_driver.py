@@ -489,7 +489,7 @@ def implicit_solve(problem: Problem, run, run_transposed, failed_derivative: str
     solve, and along a perturbation of `A`'s parameters that is not symmetric
     `d(A^T) = (dA)^T != dA` (with `A` standing for `A^T`, the Hessian of a
     solve with respect to the entries of a symmetric matrix is 91-97 % wrong:
-    the Hessian tests in `tests/test_grad.py`). A tangent
+    the Hessian tests in `tests/test_grad.py`). A primal, tangent
     or transposed solve that did not converge makes the derivative NaN unless
     `failed_derivative="keep"`. `adjoint_data(primal Solution)`, if given,
     replaces `Problem.data` in the transposed solve (what the primal solve
@@ -522,6 +522,9 @@ def implicit_solve(problem: Problem, run, run_transposed, failed_derivative: str
             lambda _, r: solution_checked(primal(r), failed_derivative),
             lambda _, r: solution_checked(run_transposed(Problem(At, r, *rest_t)),
                                            failed_derivative))
+        if failed_derivative == "nan":  # nor of a primal that failed (its x may be 0)
+            factor = jnp.where(ok > 0, 1, jnp.nan).astype(ok.dtype)
+            dx = jax.tree_util.tree_map(lambda leaf: leaf * factor.astype(leaf.dtype), dx)
         if isinstance(out, Solution):
             dout = jax.tree_util.tree_map(jnp.zeros_like, out)._replace(x=dx)
         else:

@@ -13,8 +13,8 @@ import numpy as np
 from jax import lax
 
 from . import _checks, _driver, _method, _reduce
-from ._dense import mm, qr, solve_triangular
 from . import _tree as tree
+from ._dense import mm, qr, solve_triangular
 from ._driver import Outcome, Problem
 from ._method import nonzero
 from ._solution import RUNNING, Solution, Status, code, first_status

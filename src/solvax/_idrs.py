@@ -12,8 +12,8 @@ import numpy as np
 from jax import lax
 
 from . import _checks, _driver, _method, _reduce
-from ._dense import mm, solve_triangular
 from . import _tree as tree
+from ._dense import mm, solve_triangular
 from ._driver import Outcome, Problem
 from ._method import masked_div, negligible, nonzero
 from ._solution import RUNNING, Solution, Status, first_status
@@ -67,7 +67,8 @@ def shadow_space(b: PyTree, s: int, key, axes: tuple = (), size: int | None = No
     out = []
     for i, leaf in enumerate(leaves):
         k = jax.random.fold_in(key, i)
-        real = jnp.promote_types(jnp.finfo(leaf.dtype).dtype, jnp.float32)
+        real = jnp.finfo(leaf.dtype).dtype
+        real = real if real.itemsize >= 4 else jnp.dtype(jnp.float32)
         draw = jax.random.normal(k, (s, *leaf.shape), jnp.float32).astype(real)
         if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
             imag = jax.random.normal(jax.random.fold_in(k, 1), (s, *leaf.shape), jnp.float32)

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _checks, _reduce
-from ._dense import PRECISION, eigvalsh, inv
 from . import _tree as tree
+from ._dense import PRECISION, eigvalsh, inv
 
 PyTree = Any
 

@@ -40,8 +40,8 @@ import numpy as np
 from jax import lax
 
 from . import _checks, _driver, _method, _reduce
-from ._dense import eigh, eigvalsh, mm
 from . import _tree as tree
+from ._dense import eigh, eigvalsh, mm
 from ._driver import Outcome, Problem
 from ._solution import RUNNING, Status, code, first_status
 

@@ -143,7 +143,8 @@ def basis_join(parts: list[PyTree]) -> PyTree:
 def basis_mix(basis: PyTree, coeffs) -> PyTree:
     """The basis whose row i is `sum_j coeffs[i, j] * basis[j]`: one contraction
     over the basis axis per leaf (a GEMM reading the basis once)."""
-    return tree_map(lambda leaf: jnp.tensordot(like(coeffs, leaf), leaf, axes=(1, 0), precision=PRECISION), basis)
+    return tree_map(lambda leaf: jnp.tensordot(like(coeffs, leaf), leaf, axes=(1, 0),
+                                               precision=PRECISION), basis)
 
 
 def basis_combine(basis: PyTree, coeffs) -> PyTree:
