@@ -430,13 +430,14 @@ def _run(problem: Problem, *, method: str, max_steps: int | None, residual_repla
     # Up to max_steps steps, then one that only checks the residual it reduces
     # anyway (no update): at the limit, the loop's own test still says whether
     # x converged, with no reduction after the loop.
-    if method == "pipelined" and not residual_replacement:
+    confirmed = method == "pipelined" and not residual_replacement
+    if confirmed:
         state = _confirmed_rounds(state, ctx, problem.b)
     else:
         state = _method.while_loop(problem.ip, problem.b,
                                    lambda st: st.sc.go & (st.sc.k <= max_steps),
                                    functools.partial(step, ctx=ctx), state)
-    if method == "pipelined" and not residual_replacement:
+    if confirmed:
         return _finished(state.sc, state.checks.returned(state.x), max_steps,
                          state.checks.stalled)
     return _finished(state.sc, state.x, max_steps)

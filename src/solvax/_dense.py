@@ -238,7 +238,8 @@ def _portable_qr(a):
 
 
 #: Cyclic Jacobi sweeps: convergence is quadratic once the off-diagonal part
-#: is small; 10 sweeps take a 64 x 64 matrix to rounding (tests).
+#: is small; 10 sweeps took random SPD matrices up to 64 x 64 to rounding
+#: (measured; the tests check 1, 5 and 33).
 _JACOBI_SWEEPS = 10
 
 

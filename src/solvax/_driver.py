@@ -523,7 +523,7 @@ def implicit_solve(problem: Problem, run, run_transposed, failed_derivative: str
             lambda _, r: solution_checked(run_transposed(Problem(At, r, *rest_t)),
                                            failed_derivative))
         if failed_derivative == "nan":  # nor of a primal that failed (its x may be 0)
-            factor = jnp.where(ok > 0, 1, jnp.nan).astype(ok.dtype)
+            factor = jnp.where(ok > 0, 1, jnp.nan)
             dx = jax.tree_util.tree_map(lambda leaf: leaf * factor.astype(leaf.dtype), dx)
         if isinstance(out, Solution):
             dout = jax.tree_util.tree_map(jnp.zeros_like, out)._replace(x=dx)

@@ -79,10 +79,13 @@ class Confirmation(NamedTuple):
     was reached (`stalled`: `STAGNATION`). The start counts as a restart
     (its residual is `b - A x0`).
 
-    With `kept` (`start(real, x)`), the iterates of the last two restarts are
-    kept in two slots, `best` naming the one with the lowest true residual:
-    a stalled solve returns that one (`returned`), never the worse iterate
-    it stalled on. Written only at restarts: no traffic in a step.
+    With `kept` (`start(real, x)`, pipelined CG), the iterates of the last
+    two restarts are kept in two slots, `best` naming the one with the lowest
+    true residual: a stalled solve returns that one (`returned`), never the
+    worse iterate it stalled on. Written only at restarts: no traffic in a
+    step. Such a method also ends rounds on progress (`progressed`) and
+    retries drifted rounds from the best iterate (`restart_point`); without
+    `x` (s-step CG) the fields are None and rounds end on the own test alone.
     """
 
     pending: jax.Array  # the own test met the tolerance: restart and test the true residual
@@ -97,12 +100,13 @@ class Confirmation(NamedTuple):
 
     @classmethod
     def start(cls, real, x=None) -> Confirmation:
-        false = jnp.bool_(False)
-        kept = None if x is None else tree.tree_map(lambda v: jnp.stack([v, v]), x)
+        false, inf = jnp.bool_(False), jnp.asarray(jnp.inf, real)
+        if x is None:
+            return cls(pending=false, fresh=false, last=inf, stalled=false)
+        kept = tree.tree_map(lambda v: jnp.stack([v, v]), x)
         eps = jnp.asarray(jnp.finfo(real).eps, real)
-        return cls(pending=false, fresh=jnp.bool_(True), last=jnp.asarray(jnp.inf, real),
-                   stalled=false, kept=kept, best=None if x is None else jnp.int32(0),
-                   own=jnp.asarray(jnp.inf, real), progress=eps, retrying=false)
+        return cls(pending=false, fresh=jnp.bool_(True), last=inf, stalled=false, kept=kept,
+                   best=jnp.int32(0), own=inf, progress=eps, retrying=false)
 
     def progressed(self, rr):
         """A round's own squared residual fell by `progress` from its start's
@@ -117,7 +121,7 @@ class Confirmation(NamedTuple):
         improved = self.fresh & (rr < self.last)
         best = None if self.best is None else jnp.where(improved, 1 - self.best, self.best)
         worse = self.fresh & ~(rr <= tol2) & (rr >= self.last)
-        if self.progress is None:
+        if self.kept is None:
             return self._replace(pending=restart & ~self.fresh, fresh=jnp.zeros_like(self.fresh),
                                  last=jnp.where(self.fresh, rr, self.last), stalled=worse)
         # The round drifted: its true residual came out above 4x its own, or
@@ -139,9 +143,7 @@ class Confirmation(NamedTuple):
 
     def restart_point(self, x):
         """Where the next round starts: `x`, or on a retry the best kept iterate."""
-        if self.kept is None:
-            return x
-        return tree.tree_map(lambda k, v: jnp.where(self.retrying, k[self.best], v), self.kept, x)
+        return self._best_where(self.retrying, x)
 
     def restarted(self, x=None) -> Confirmation:
         """After the restart from `x` (`restart_point`, taken where `pending`):
@@ -155,9 +157,13 @@ class Confirmation(NamedTuple):
     def returned(self, x):
         """`x`, or where the solve stalled, the kept iterate with the lowest
         true residual."""
+        return self._best_where(self.stalled, x)
+
+    def _best_where(self, flag, x):
+        """The best kept iterate where `flag`, else `x` (`x` without `kept`)."""
         if self.kept is None:
             return x
-        return tree.tree_map(lambda k, v: jnp.where(self.stalled, k[self.best], v), self.kept, x)
+        return tree.tree_map(lambda k, v: jnp.where(flag, k[self.best], v), self.kept, x)
 
 
 def confirmed_rounds(ip: _reduce.Reduction, like, state, *, checks: Callable, going: Callable,
