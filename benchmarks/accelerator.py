@@ -119,12 +119,26 @@ def preconditioner(name, A):
 
 # -------------------------------------------------------------------- runner
 class Runner:
-    def __init__(self, out_dir, budget, only):
-        self.out_dir, self.budget, self.only = out_dir, budget, only
-        self.start = time.perf_counter()
-        self.rows = []
+    """Collects the cases (`case`), then runs them in a child process that
+    appends one JSON line per finished case; a child that dies (a compiler
+    abort is a process abort) leaves a CRASH row and a new child goes on
+    from the next case. The parent never starts a backend: one process at a
+    time holds a TPU."""
+
+    def __init__(self, args):
+        self.args = args
+        self.cases = []
+
+    def case(self, group, name, run):
+        """A case: `run()` -> dict (its verdict and numbers)."""
+        if self.args.only in f"{group} {name}":
+            self.cases.append(({"group": group, "case": name}, run))
+
+    def child(self):
+        """Run cases from `--start` on, one JSON line each into `--rows`; the
+        run's facts and the case under way into `--rows`.meta."""
         device = jax.devices()[0]
-        self.meta = {
+        meta = {
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "backend": jax.default_backend(),
             "device": f"{device.platform}: {getattr(device, 'device_kind', '?')}",
@@ -132,38 +146,61 @@ class Runner:
             "jax": jax.__version__,
             "solvax": sx.__version__,
         }
+        for i, (row, run) in enumerate(self.cases):
+            if i < self.args.start:
+                continue
+            with open(self.args.rows + ".meta", "w") as f:
+                json.dump({"meta": meta, "total": len(self.cases), "current": row}, f)
+            row = dict(row)
+            if time.time() > self.args.deadline:
+                row.update(verdict="not run (budget)")
+            else:
+                try:
+                    row.update(run())
+                except Exception as e:  # noqa: BLE001 - a row per failure, the run goes on
+                    msg = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                    row.update(verdict="ERROR", error=msg)
+                    traceback.print_exc()
+            print(json.dumps(row), flush=True)
+            with open(self.args.rows, "a") as f:
+                f.write(json.dumps(row) + "\n")
 
-    def wanted(self, name):
-        return self.only in name
+    def parent(self):
+        import subprocess
+        import sys
+        import tempfile
 
-    def out_of_time(self):
-        return time.perf_counter() - self.start > self.budget
+        deadline = time.time() + self.args.budget
+        rows_path = tempfile.mktemp(suffix=".jsonl")
+        rows, total, meta = [], None, {}
+        while total is None or len(rows) < total:
+            command = [sys.executable, __file__, *sys.argv[1:], "--start", str(len(rows)),
+                       "--deadline", str(deadline), "--rows", rows_path]
+            code = subprocess.call(command)
+            if not os.path.exists(rows_path + ".meta"):
+                raise SystemExit(f"the first child failed before its first case (exit {code})")
+            with open(rows_path + ".meta") as f:
+                state = json.load(f)
+            meta, total = state["meta"], state["total"]
+            if os.path.exists(rows_path):
+                with open(rows_path) as f:
+                    rows = [json.loads(line) for line in f if line.strip()]
+            if code != 0 and len(rows) < total:
+                crashed = dict(state["current"])
+                crashed.update(verdict=f"CRASH: the process died (exit code {code})")
+                with open(rows_path, "a") as f:
+                    f.write(json.dumps(crashed) + "\n")
+                rows.append(crashed)
+            self.write(meta, rows)
+        return rows
 
-    def case(self, group, name, run):
-        """`run()` -> dict (its verdict and numbers); errors become rows."""
-        if not self.wanted(f"{group} {name}"):
-            return
-        row = {"group": group, "case": name}
-        if self.out_of_time():
-            row.update(verdict="not run (budget)")
-        else:
-            try:
-                row.update(run())
-            except Exception as e:  # noqa: BLE001 - a row per failure, the run goes on
-                msg = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-                row.update(verdict="ERROR", error=msg)
-                traceback.print_exc()
-        self.rows.append(row)
-        print(json.dumps(row), flush=True)
-        self.write()
-
-    def write(self):
-        os.makedirs(self.out_dir, exist_ok=True)
-        with open(os.path.join(self.out_dir, "accelerator.json"), "w") as f:
-            json.dump({"meta": self.meta, "rows": self.rows}, f, indent=1)
-        name = "tpu.md" if self.meta["backend"] == "tpu" else f"{self.meta['backend']}.md"
-        with open(os.path.join(self.out_dir, name), "w") as f:
-            f.write(markdown(self.meta, self.rows))
+    def write(self, meta, rows):
+        os.makedirs(self.args.out, exist_ok=True)
+        with open(os.path.join(self.args.out, "accelerator.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        name = "tpu.md" if meta["backend"] == "tpu" else f"{meta['backend']}.md"
+        with open(os.path.join(self.args.out, name), "w") as f:
+            f.write(markdown(meta, rows))
 
 
 def timed(f, *args):
@@ -259,7 +296,7 @@ def structured_cases(n):
     D = rng.uniform(-0.5, 0.5, (n // m, m, m)) + 4 * np.eye(m)
     bands = rng.uniform(-1, 1, (6, n))
     bands[3] = 6.0 + rng.uniform(0, 1, n)  # the diagonal: row u = 3 (l = 2, u = 3)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("i",))
+    mesh = functools.partial(jax.sharding.Mesh, axis_names=("i",))  # a backend only when run
 
     def arrays(dtype, *xs):
         return [jnp.asarray(x, dtype) for x in xs]
@@ -297,12 +334,14 @@ def structured_cases(n):
 
     def partitioned(dtype):
         x = jax.jit(functools.partial(sx.partitioned_tridiagonal_solve, axis_name="i",
-                                      mesh=mesh))(*arrays(dtype, l, d, u, rhs))
+                                      mesh=mesh(np.array(jax.devices()[:1]))))(
+            *arrays(dtype, l, d, u, rhs))
         return x, dense_tridiagonal(l, d, u, False)
 
     def partitioned_block(dtype):
         x = jax.jit(functools.partial(sx.partitioned_block_tridiagonal_solve, axis_name="i",
-                                      mesh=mesh))(*arrays(dtype, L, D, U, rhs.reshape(-1, m)))
+                                      mesh=mesh(np.array(jax.devices()[:1]))))(
+            *arrays(dtype, L, D, U, rhs.reshape(-1, m)))
         return x.reshape(-1), dense_block_tridiagonal(L, D, U, False)
 
     return rhs, [
@@ -416,10 +455,14 @@ def main():
     p.add_argument("--only", default="", help="only cases whose group + name contain TEXT")
     p.add_argument("--budget", type=float, default=450.0,
                    help="seconds after which no new case starts (rows say 'not run')")
+    p.add_argument("--start", type=int, default=-1, help=argparse.SUPPRESS)  # a child's
+    p.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--rows", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
+    started = time.perf_counter()
     n = 16 if args.small else 128
-    runner = Runner(args.out, args.budget, args.only)
-    dtypes = (jnp.float32, jnp.float64)
+    runner = Runner(args)
+    dtypes = (jnp.float64, jnp.float32)
     rtols = {jnp.float32: 1e-4, jnp.float64: 1e-10}
     preconds = ("none", "jacobi", "multigrid")
 
@@ -431,21 +474,23 @@ def main():
                 for name, solve in methods.items():
                     runner.case(group, name, functools.partial(
                         krylov_row, n, convection, solve, dtype, rtols[dtype], precond, True))
-    for precond in preconds:
-        for problem, convection, inner in (("diffusion", 0.0, "pcg"), ("convection", 10.0, "gmres")):
-            name = f"iterative_refinement({inner})"
-            runner.case(f"float64 from float32 corrections, {problem} {n}^2", name,
-                        functools.partial(krylov_row, n, convection, REFINEMENT[name],
-                                          jnp.float64, 1e-10, precond, True))
+        if dtype == jnp.float64:
+            rhs, cases = structured_cases(48 if args.small else 240)
+            for dt in dtypes:
+                for name, f in cases:
+                    runner.case("structured direct solves", name,
+                                functools.partial(structured_row, f, rhs, dt))
     for name, solve in {**SYMMETRIC, **GENERAL}.items():
         runner.case(f"float32 floor: diffusion {n}^2, rtol 1e-5, no preconditioner", name,
                     functools.partial(krylov_row, n, 0.0, solve, jnp.float32, 1e-5, "none",
                                       False))
-    rhs, cases = structured_cases(48 if args.small else 240)
-    for dtype in dtypes:
-        for name, f in cases:
-            runner.case("structured direct solves", name,
-                        functools.partial(structured_row, f, rhs, dtype))
+    for precond in preconds:
+        for problem, convection, inner in (("diffusion", 0.0, "pcg"),
+                                           ("convection", 10.0, "gmres")):
+            name = f"iterative_refinement({inner})"
+            runner.case(f"float64 from float32 corrections, {problem} {n}^2", name,
+                        functools.partial(krylov_row, n, convection, REFINEMENT[name],
+                                          jnp.float64, 1e-10, precond, True))
     for dtype in dtypes:
         for name, solve, convection in other_preconditioners(n):
             runner.case("other preconditioners and multigrid variants", name, functools.partial(
@@ -454,9 +499,12 @@ def main():
         for dtype in dtypes if "refinement" not in name else (jnp.float64,):
             runner.case("gradients (d/dtheta, k = 1 + theta f) against finite differences",
                         name, functools.partial(gradient_row, n, solve, dtype))
-    bad = [r for r in runner.rows if not str(r.get("verdict", "")).startswith("ok")]
-    print(f"{len(runner.rows) - len(bad)} of {len(runner.rows)} ok; "
-          f"{time.perf_counter() - runner.start:.0f} s")
+    if args.start >= 0:
+        runner.child()
+        return
+    rows = runner.parent()
+    bad = [r for r in rows if not str(r.get("verdict", "")).startswith("ok")]
+    print(f"{len(rows) - len(bad)} of {len(rows)} ok; {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

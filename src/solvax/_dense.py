@@ -139,17 +139,24 @@ def eigvalsh(a):
 
 
 def pinv(a):
-    """The pseudo-inverse of a square `a`. Where the dtype is emulated: the
-    float32 pseudo-inverse refined by two Newton–Schulz steps
-    `X <- X (2 I - a X)` in the dtype (products alone; each squares the
-    error), since an SVD does not lower there."""
-    if not emulated(a.dtype):
-        return jnp.linalg.pinv(a)
-    x = jnp.linalg.pinv(a.astype(jnp.float32)).astype(a.dtype)
-    eye = jnp.eye(a.shape[0], dtype=a.dtype)
-    for _ in range(2):
-        x = mm(x, 2 * eye - mm(a, x))
-    return x
+    """The pseudo-inverse of a square `a`, from its SVD (singular values below
+    `10 n eps` times the largest count as zero, as `jnp.linalg.pinv`). Where
+    the dtype is emulated: the float32 pseudo-inverse refined by two
+    Newton–Schulz steps `X <- X (2 I - a X)` in the dtype (products alone;
+    each squares the error), since an SVD does not lower there. Written out
+    rather than `jnp.linalg.pinv`, whose float32 form aborted the TPU
+    compiler with x64 enabled (JAX 0.10.2; `jnp.linalg.svd` compiles)."""
+    if emulated(a.dtype):
+        x = pinv(a.astype(jnp.float32)).astype(a.dtype)
+        eye = jnp.eye(a.shape[0], dtype=a.dtype)
+        for _ in range(2):
+            x = mm(x, 2 * eye - mm(a, x))
+        return x
+    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    cutoff = 10 * max(a.shape[-2:]) * jnp.finfo(s.dtype).eps * s[..., :1]
+    inverse_s = jnp.where(s > cutoff, 1 / jnp.where(s > cutoff, s, 1), 0).astype(a.dtype)
+    return mm(jnp.conj(jnp.swapaxes(vh, -1, -2)) * inverse_s[..., None, :],
+              jnp.conj(jnp.swapaxes(u, -1, -2)))
 
 
 # ---------------------------------------------------------- portable kernels
@@ -243,6 +250,21 @@ def _portable_qr(a):
 _JACOBI_SWEEPS = 10
 
 
+def _jacobi_tangent(app, aqq, apq):
+    """`t = tan(theta)` of the Jacobi rotation that zeroes `apq`:
+    `sign(tau) / (|tau| + sqrt(1 + tau^2))`, `tau = (aqq - app) / (2 apq)`,
+    from the ratio of the smaller to the larger of the two differences, so
+    nothing squares a large number (emulated float64 has float32's exponent
+    range: `tau^2` overflowed and a TPU returned NaN eigenvalues)."""
+    d, e = aqq - app, 2 * apq
+    wide = jnp.abs(d) > jnp.abs(e)
+    r = jnp.where(wide, e, d) / jnp.where(wide, d, jnp.where(e == 0, 1, e))
+    sign = jnp.where((d >= 0) == (e >= 0), 1, -1).astype(r.dtype)
+    root = 1 + jnp.sqrt(1 + r * r)
+    t = sign * jnp.where(wide, jnp.abs(r) / root, 1 / (jnp.abs(r) + root - 1))
+    return jnp.where(e == 0, 0, t)
+
+
 def _portable_eigh(a):
     """Cyclic Jacobi for a real symmetric `a` (rotations in every (p, q))."""
     if jnp.iscomplexobj(a):
@@ -255,11 +277,7 @@ def _portable_eigh(a):
     def rotate(i, carry):
         a, v = carry
         p, q = pairs_[i, 0], pairs_[i, 1]
-        apq, app, aqq = a[p, q], a[p, p], a[q, q]
-        zero = apq == 0
-        tau = (aqq - app) / (2 * jnp.where(zero, 1, apq))
-        t = jnp.where(tau >= 0, 1, -1) / (jnp.abs(tau) + jnp.sqrt(1 + tau * tau))
-        t = jnp.where(zero, 0, t)
+        t = _jacobi_tangent(a[p, p], a[q, q], a[p, q])
         c = 1 / jnp.sqrt(1 + t * t)
         s = t * c
         rp, rq = a[p], a[q]
