@@ -1,6 +1,6 @@
 """Every solver, structured solve and preconditioner on the current backend (a TPU chip).
 
-`python benchmarks/accelerator.py [--small] [--out DIR] [--only TEXT] [--budget S]`
+`python benchmarks/accelerator.py [--small] [--out DIR] [--only TEXT ...] [--budget S]`
 
 Runs, each in float32 and float64 (x64 on):
   * every Krylov method x {no preconditioner, Jacobi, multigrid} on a 2-D
@@ -131,7 +131,7 @@ class Runner:
 
     def case(self, group, name, run):
         """A case: `run()` -> dict (its verdict and numbers)."""
-        if self.args.only in f"{group} {name}":
+        if any(text in f"{group} {name}" for text in self.args.only):
             self.cases.append(({"group": group, "case": name}, run))
 
     def child(self):
@@ -452,7 +452,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="tiny problems (CPU smoke test)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    p.add_argument("--only", default="", help="only cases whose group + name contain TEXT")
+    p.add_argument("--only", nargs="+", default=[""], metavar="TEXT",
+                   help="only cases whose group + name contain one of these")
     p.add_argument("--budget", type=float, default=450.0,
                    help="seconds after which no new case starts (rows say 'not run')")
     p.add_argument("--start", type=int, default=-1, help=argparse.SUPPRESS)  # a child's

@@ -152,6 +152,19 @@ def test_benchmark_structured_small(tmp_path):
     assert data["partitioned"]["relative_difference"] < 1e-12
 
 
+def test_accelerator_small(tmp_path):
+    """The chip's script on this CPU: its child process, rows and report; the
+    structured solves against NumPy and the float32 floor cases run."""
+    run("accelerator.py", "--small", "--out", str(tmp_path), "--only", "structured",
+        "float32 floor")
+    data = json.loads((tmp_path / "accelerator.json").read_text())
+    rows = data["rows"]
+    assert data["meta"]["backend"] == "cpu" and len(rows) == 18 + 11
+    assert not [r for r in rows if r["verdict"].startswith(("ERROR", "CRASH", "not run"))]
+    assert all(r["verdict"] == "ok" for r in rows if r["group"] == "structured direct solves")
+    assert "cases ok" in (tmp_path / "cpu.md").read_text()
+
+
 def test_plot_results_draws_every_figure_from_the_saved_results(tmp_path):
     out = run("plot_results.py", "--out", str(tmp_path))
     names = ["convergence_preconditioners.png", "convergence_variants.png",

@@ -172,3 +172,21 @@ def test_leja_order():
         rest = [x for x in nodes if x not in ordered[:k]]
         dist = [np.prod(np.abs(x - ordered[:k])) for x in rest]
         assert np.prod(np.abs(ordered[k] - ordered[:k])) == pytest.approx(max(dist))
+
+
+@pytest.mark.parametrize("s", [4, 8])
+def test_float32_first_block_does_not_overflow(s):
+    """A 128^2 Laplacian with spacing 1/128 (lambda_max 1.3e5) in float32: the
+    first, unscaled block's Gram matrix (~lambda_max^(2s-1)) overflowed and
+    the solve returned NONFINITE after 0 steps (a TPU's emulated float64 too).
+    It is retried on a Rayleigh-quotient interval: converged within 2x CG's
+    iterations (CG: 242 at rtol 1e-4)."""
+    n = 128
+    A = sx.diffusion_operator(jnp.ones((n, n), jnp.float32), spacing=1.0 / n)
+    b = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
+    cg = sx.pcg(A, b, rtol=1e-4)
+    sol = sx.pcg(A, b, rtol=1e-4, method="s_step", s=s)
+    assert sol.status == Status.CONVERGED, sol.message
+    assert int(sol.iterations) <= 2 * int(cg.iterations)
+    r = np.asarray(b, np.float64) - np.asarray(A.astype(jnp.float64)(sol.x.astype(jnp.float64)))
+    assert np.linalg.norm(r) <= 1e-4 * np.linalg.norm(np.asarray(b, np.float64))

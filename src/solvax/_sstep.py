@@ -252,11 +252,24 @@ def _outer_step(st: _State, ctx: _Context) -> _State:
 
     B, Wn, spec, a = _coordinates(st.W, XZ, s, eps)
     status, finite = _step_status(rr, tol2, Wn, spec, eps)
+    retry = jnp.zeros((), bool)
+    if ctx.estimate:
+        # The first block's basis is unscaled (no spectrum known yet): its
+        # Gram matrix grows like lambda_max^(2s-1) and overflowed float32 (and
+        # a TPU's emulated float64, float32's range) for a 128^2 Laplacian
+        # (lambda_max 1.3e5). Retried on the interval of twice the Rayleigh
+        # quotient z^H A z / z^H M^-1 z (a lower bound of lambda_max; a retry
+        # that overflows again quadruples it): s matvecs and one reduction
+        # more, in the same loop (no collective added), x unchanged.
+        rayleigh = jnp.real(XZ[0, 0]) / jnp.real(XZ[0, s])
+        retry = (st.k == 0) & ~finite & jnp.isfinite(rayleigh) & (rayleigh > 0)
+        status = jnp.where(retry, RUNNING, status)
     # the own residual's convergence is confirmed on the true one (`_rounds`)
     checks = st.checks.after_step(status == code(Status.CONVERGED), rr, tol2)
     status = jnp.where(checks.stalled, code(Status.STAGNATION), status)
     go = (status == RUNNING) & (st.k < ctx.max_outer)
-    a = jnp.where(go, a, 0)  # a step that does not go leaves x and r as they are
+    update = go & ~retry
+    a = jnp.where(update, a, 0)  # a step that does not go leaves x and r as they are
     QX, AQR = _next_bases(X, AV, st.AQR, B, a, s)
 
     center, half, lmax = st.center, st.half, st.lmax
@@ -267,10 +280,15 @@ def _outer_step(st: _State, ctx: _Context) -> _State:
         # 0.35x -> 0.30x jax.scipy's cg per iteration on the latency-bound mesh).
         lmax = lax.cond(st.k < _RITZ_STEPS, lambda: jnp.maximum(lmax, jnp.where(
             finite, _largest_ritz(G, N, eps), 0).astype(real)), lambda: lmax)
+        lmax = jnp.where(retry, jnp.maximum(4 * st.lmax, 2 * rayleigh), lmax).astype(real)
         center = half = jnp.where(lmax > 0, 0.55 * lmax, half).astype(real)
+    if ctx.estimate:  # a retried step keeps the bases and the previous block's data
+        QX, AQR = (tree.where(retry, old, new) for old, new in ((st.QX, QX), (st.AQR, AQR)))
+        spec = jax.tree_util.tree_map(lambda old, new: jnp.where(retry, old, new), st.W, spec)
     return _State(
         QX=QX, AQR=AQR, W=spec,
-        center=center, half=half, lmax=lmax, tol2=tol2, rr=rr, k=st.k + go.astype(st.k.dtype),
+        center=center, half=half, lmax=lmax, tol2=tol2, rr=rr,
+        k=st.k + update.astype(st.k.dtype),
         status=status, go=go, checks=checks, history=history)
 
 
