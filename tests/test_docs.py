@@ -38,3 +38,42 @@ def test_the_api_reference_renders_parameters_as_lists():
     config = (ROOT / "mkdocs.yml").read_text()
     assert re.search(r"^\s+docstring_section_style: list\s*$", config, re.M), config
     assert "example.invalid" not in config and "repo_url" not in config
+
+
+# README rows (their own labels) -> the live table's cases
+_README_ROWS = {
+    "MG-preconditioned CG, 64² grid `P('i', None)`":
+        "multigrid-preconditioned CG, 64x64 grid P('i', None)",
+    "the same, single-reduction":
+        "multigrid-preconditioned CG, single_reduction, 64x64 grid P('i', None)",
+    "the same, `multigrid(A, coarse=\"chebyshev\")`":
+        "multigrid-preconditioned CG, Chebyshev coarsest level, 64x64 grid P('i', None)",
+    "the same, 32² coarsest level, `coarse=\"lines\"`":
+        "multigrid-preconditioned CG, 32x32 coarsest level solved by lines, 64x64 grid "
+        "P('i', None)",
+}
+
+
+def test_documented_counts_come_from_the_live_table():
+    """The counts in docs/sharding.md's table (written by
+    `benchmarks/docs_table.py`) and the README's multigrid rows are the live
+    table's (`benchmarks/results/table.json`, from `python -m solvax --json`;
+    the README once said 126 / 179 where the table printed 122 / 175).
+    The JSON's own counts are pinned against the code by tests/test_main.py."""
+    import json
+
+    rows = {r["case"]: r for r in
+            json.loads((ROOT / "benchmarks/results/table.json").read_text())["rows"]}
+    documented = [line for line in (DOCS / "sharding.md").read_text().splitlines()
+                  if line.startswith("| ") and not line.startswith("| case")]
+    assert len(documented) == len(rows)
+    for line in documented:
+        case, *numbers = [c.strip() for c in line.strip("|").split(" | ")]
+        r = rows[case]
+        assert numbers == [str(r[k]) for k in ("primal", "adjoint", "per_step", "halos_per_step",
+                                               "all_gathers", "bytes_per_step")], case
+    readme = (ROOT / "README.md").read_text().splitlines()
+    for label, case in _README_ROWS.items():
+        line = next(line for line in readme if line.startswith(f"| {label} |"))
+        primal, adjoint = [c.strip() for c in line.strip("|").split(" | ")][1:3]
+        assert (int(primal), int(adjoint)) == (rows[case]["primal"], rows[case]["adjoint"]), label

@@ -185,3 +185,19 @@ def test_a_traced_invalid_tolerance_is_its_own_status():
         assert not bool(sol.converged)
     sol = solve(1e-8, 0.0)  # the valid neighbour, the same program
     assert int(sol.status) == Status.CONVERGED and bool(sol.converged)
+
+
+def test_float32_precision_floor_names_precision():
+    """A new user's first solve (issue 48): float32 multigrid-CG on a 64^2
+    diffusion problem with a smooth b cannot reach the default rtol; the
+    status says STAGNATION and its message names the precision and the two
+    ways out (x64, iterative_refinement). Nearest valid input: a random b,
+    which float32 does solve there."""
+    n = 64
+    A = sx.diffusion_operator(jnp.ones((n, n), jnp.float32), spacing=1 / n)
+    sol = sx.pcg(A, jnp.ones((n, n), jnp.float32), precond=sx.multigrid(A))
+    assert sol.status == Status.STAGNATION
+    for words in ("precision", "float32", "jax_enable_x64", "iterative_refinement"):
+        assert words in sol.message
+    b = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
+    assert sx.pcg(A, b, precond=sx.multigrid(A)).converged

@@ -211,6 +211,9 @@ def test_bad_input_names_the_argument():
         sx.diffusion_operator((1e-3, 1.0, 1.0), shape=(4, 4))
     with pytest.raises(ValueError, match="`k` must be positive"):
         sx.diffusion_operator(jnp.zeros((4, 4)))
+    with pytest.raises(ValueError, match="`k` must be finite .* 1 NaN and 0 infinite"):
+        sx.diffusion_operator(jnp.ones((4, 4)).at[1, 2].set(jnp.nan))
+    assert sx.diffusion_operator(jnp.full((4, 4), 1e-30)).diagonal().shape == (4, 4)  # nearest
     with pytest.raises(ValueError, match="`k` and `shift` arrays must have the grid's shape"):
         sx.diffusion_operator(jnp.ones((4, 4)), shift=jnp.ones((4, 3)))
     with pytest.raises(ValueError, match="`spacing` must be positive"):

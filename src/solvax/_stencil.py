@@ -407,8 +407,16 @@ def diffusion_operator(k: Any, *, shape: tuple | None = None, spacing: Any = 1.0
                          f"{shape}; got {len(ks)}.")
     ks = ks if per_axis else [k] * ndim
     for c in ks:
-        if not isinstance(c, jax.core.Tracer) and not np.all(np.asarray(c) > 0):
-            raise ValueError("`k` must be positive (a diffusion coefficient).")
+        if isinstance(c, jax.core.Tracer):
+            continue
+        values = np.asarray(c)
+        if not np.all(np.isfinite(values)):
+            raise ValueError(f"`k` must be finite (a diffusion coefficient); it holds "
+                             f"{int(np.sum(np.isnan(values)))} NaN and "
+                             f"{int(np.sum(np.isinf(values)))} infinite entries.")
+        if not np.all(values > 0):
+            raise ValueError(f"`k` must be positive (a diffusion coefficient); its smallest "
+                             f"entry is {values.min()!r}.")
     h = spacing if isinstance(spacing, tuple | list) else (spacing,) * ndim
     if len(h) != ndim or not all(float(v) > 0 for v in h):
         raise ValueError(f"`spacing` must be positive, one number or {ndim}; got {spacing!r}.")
