@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import KRYLOV, poisson_1d
+from helpers import KRYLOV, poisson_1d, poisson_2d
 
 import solvax as sx
 
@@ -176,3 +176,27 @@ def test_shard_batch_names_an_input_that_is_not_an_array():
     with pytest.raises(TypeError, match="input 0 must be an array .* got a list"):
         f([1.0, 2.0])
     assert f(jnp.asarray([1.0, 2.0])).tolist() == [2.0, 4.0]
+
+
+@pytest.mark.parametrize("nonlinear", [
+    lambda x: poisson_2d(x) + x**3,              # a new user's "matvec" (issue 48)
+    lambda x: poisson_2d(x) * x,
+    lambda x: jnp.maximum(poisson_2d(x), 0),
+    lambda x: poisson_2d(x) / (1 + x),
+    lambda x: jnp.where(x > 0, poisson_2d(x), x),
+])
+def test_nonlinear_matvec_is_refused_at_trace_time(nonlinear):
+    with pytest.raises(ValueError, match="`matvec` is not linear in its argument"):
+        sx.pcg(nonlinear, jnp.ones((8, 8)))
+
+
+def test_linear_matvecs_nearest_to_nonlinear_ones_are_accepted():
+    """Products with constants, a constant mask, division by a constant, a
+    jitted function and a preconditioner that is not linear (flexible GMRES
+    accepts it; only `matvec` is checked)."""
+    mask = jnp.arange(8)[:, None] > 3
+    b = jnp.ones((8, 8))
+    for linear in (lambda x: 2.0 * poisson_2d(x), lambda x: jnp.where(mask, poisson_2d(x), x),
+                   lambda x: poisson_2d(x) / 3.0, jax.jit(poisson_2d)):
+        assert sx.pcg(linear, b).converged
+    assert sx.gmres(poisson_2d, b, precond=lambda r: r / (1 + 0.01 * jnp.abs(r))).converged

@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks, _reduce
+from . import _checks, _linearity, _reduce
 from . import _tree as tree
 from ._closure import Closed, close, transposed
 from ._solution import Solution, Status, code, make_solution
@@ -257,6 +257,8 @@ def closed_operator(name: str, fn, b, arg: str = "b") -> Closed:
     with _checks.failures_named(name):
         A = close(fn, b)
     _checks.check_like(f"{name}({arg})", jax.eval_shape(A, b), arg, b)
+    if name == "matvec":
+        _linearity.check_linear(name, A, b)
     return A
 
 
