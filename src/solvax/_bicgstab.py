@@ -146,8 +146,10 @@ class _OneSyncState(NamedTuple):
     """The one-synchronization recurrences (`_one_sync_step`); the iterate is
     `x = x0 + M u`, so the preconditioner is applied inside `B = A M` only."""
 
+    x: PyTree  # the iterate at the last (re)start; the current one is x + M u
+    shadow: PyTree  # r0: the residual at the last (re)start
     u: PyTree
-    r: PyTree  # b - A x (recursively updated)
+    r: PyTree  # b - (A x + B u) (recursively updated)
     p: PyTree  # search direction
     v: PyTree  # B p
     w: PyTree  # B r
@@ -159,6 +161,9 @@ class _OneSyncState(NamedTuple):
     go: jax.Array
     status: jax.Array
     history: jax.Array | None
+    start: jax.Array  # k at the last (re)start
+    start_rr: jax.Array  # <r, r> measured at the first step after it
+    pending: jax.Array  # the recurrences drifted after progress: restart (`_one_sync_restart`)
 
 
 def _one_sync_step(st: _OneSyncState, ctx: _Context) -> _OneSyncState:
@@ -176,8 +181,8 @@ def _one_sync_step(st: _OneSyncState, ctx: _Context) -> _OneSyncState:
     B = lambda y: ctx.A(ctx.M(y))  # noqa: E731
     with jax.named_scope("solvax.bicgstab.reduce"):
         (rr, r0r, r0v, r0w, r0q, wr, wv, qr, qv, ww, wq, qq, rv, vv) = ctx.ip.multi_dot(
-            [(st.r, st.r), (ctx.shadow, st.r), (ctx.shadow, st.v), (ctx.shadow, st.w),
-             (ctx.shadow, st.q), (st.w, st.r), (st.w, st.v), (st.q, st.r), (st.q, st.v),
+            [(st.r, st.r), (st.shadow, st.r), (st.shadow, st.v), (st.shadow, st.w),
+             (st.shadow, st.q), (st.w, st.r), (st.w, st.v), (st.q, st.r), (st.q, st.v),
              (st.w, st.w), (st.w, st.q), (st.q, st.q), (st.r, st.v), (st.v, st.v)])
     rr, ww, qq, vv = (jnp.real(a) for a in (rr, ww, qq, vv))
     history = None if st.history is None else st.history.at[st.k].set(_reduce.real_sqrt(rr))
@@ -194,7 +199,8 @@ def _one_sync_step(st: _OneSyncState, ctx: _Context) -> _OneSyncState:
     finite = jnp.isfinite(rr) & jnp.isfinite(jnp.abs(r0v)) & jnp.isfinite(tt) & jnp.isfinite(
         jnp.abs(ts))
     norm = _reduce.real_sqrt
-    lost_alpha = negligible(r0v, ctx.shadow_norm, norm(vv))
+    start_rr = jnp.where(st.k == st.start, rr, st.start_rr)  # <r0, r0>
+    lost_alpha = negligible(r0v, norm(start_rr), norm(vv))
     lost_omega = (tt == 0) | negligible(ts, norm(tt), norm(ss))
     # The rounding level: <t, t> cancelled down to the rounding of its terms
     # (omega would be noise), or the recursive residual near the rounding of the
@@ -208,11 +214,23 @@ def _one_sync_step(st: _OneSyncState, ctx: _Context) -> _OneSyncState:
     stalled = (since >= STALL) & (rr <= (1e4 * eps) ** 2 * peak)
     rounding = (tt <= 100 * eps * (ww + a2 * qq)) | stalled
     half = ss <= ctx.tol2
+    # The expansions drift from the vectors they stand for, and the Lanczos
+    # part breaks down (float32 Poisson 128^2: BREAKDOWN at 1e-3 to 1.1 ||b||,
+    # where standard BiCGStab reaches its floor). As standard BiCGStab does,
+    # a lost alpha after a step since the last (re)start, and a stop on
+    # omega, rho or the rounding level after the residual fell 10x since it,
+    # restart from the true residual, which becomes the shadow
+    # (`_one_sync_restart`: matvecs, no reduction).
+    drifted = rounding | lost_omega | (rho_next == 0)
+    fell = jnp.minimum(st.best, rr) <= 1e-2 * start_rr
+    restart = (st.k > st.start) & (lost_alpha | (drifted & fell))
     status = first_status([(done, Status.CONVERGED), (limit, RUNNING),
-                           (~finite, Status.NONFINITE), (lost_alpha, Status.BREAKDOWN),
-                           (half, Status.CONVERGED), (rounding, Status.STAGNATION),
+                           (~finite, Status.NONFINITE), (restart, RUNNING),
+                           (lost_alpha, Status.BREAKDOWN), (half, Status.CONVERGED),
+                           (rounding, Status.STAGNATION),
                            (lost_omega | (rho_next == 0), Status.BREAKDOWN)], RUNNING)
-    take_alpha = ~done & ~limit & finite & ~lost_alpha
+    pending = restart & (status == RUNNING) & ~limit
+    take_alpha = ~done & ~limit & finite & ~lost_alpha & ~pending
     take_omega = take_alpha & ~half & ~rounding & ~lost_omega
     alpha = jnp.where(take_alpha, alpha, jnp.zeros_like(alpha))
     omega = jnp.where(take_omega, omega, jnp.zeros_like(omega))
@@ -227,10 +245,27 @@ def _one_sync_step(st: _OneSyncState, ctx: _Context) -> _OneSyncState:
     v = tree.axpy(beta, tree.axpy(-omega, st.q, st.v), w)
     with jax.named_scope("solvax.bicgstab.matvec"):
         q = B(v)
-    return _OneSyncState(u=u, r=r, p=p, v=v, w=w, q=q, best=jnp.minimum(st.best, rr),
-                         since=since, peak=peak,
-                         k=st.k + take_alpha.astype(jnp.int32), go=(status == RUNNING) & ~limit,
-                         status=status, history=history)
+    return _OneSyncState(x=st.x, shadow=st.shadow, u=u, r=r, p=p, v=v, w=w, q=q,
+                         best=jnp.minimum(st.best, rr),
+                         since=since, peak=peak, k=st.k + take_alpha.astype(jnp.int32),
+                         go=(status == RUNNING) & ~limit & ~pending, status=status,
+                         history=history, start=st.start, start_rr=start_rr, pending=pending)
+
+
+def _one_sync_restart(st: _OneSyncState, ctx: _Context, b) -> _OneSyncState:
+    """The one-synchronization recurrences restarted from the current iterate
+    `x + M u`: its true residual (the new shadow), `p = r` and the products `w = B r`,
+    `v = B p`, `q = B v` recomputed (a preconditioner application and three
+    matvecs; no reduction: the next step's one measures them all)."""
+    B = lambda y: ctx.A(ctx.M(y))  # noqa: E731
+    with jax.named_scope("solvax.bicgstab.restart"):
+        x = tree.add(st.x, ctx.M(st.u))
+        r = tree.sub(b, ctx.A(x))
+        w = B(r)
+        q = B(w)
+    return st._replace(x=x, shadow=r, u=tree.zeros_like(st.u), r=r, p=r, v=w, w=w, q=q,
+                       start=st.k, since=jnp.zeros_like(st.since), pending=jnp.bool_(False),
+                       go=jnp.bool_(True))
 
 
 def _run_one_sync(problem: Problem, ctx: _Context, x, r, history) -> Outcome:
@@ -240,13 +275,17 @@ def _run_one_sync(problem: Problem, ctx: _Context, x, r, history) -> Outcome:
         w = B(r)
         q = B(w)
     real = problem.real_dtype()
-    state = _OneSyncState(u=tree.zeros_like(r), r=r, p=r, v=w, w=w, q=q,
+    state = _OneSyncState(x=x, shadow=r, u=tree.zeros_like(r), r=r, p=r, v=w, w=w, q=q,
                           best=jnp.full((), jnp.inf, real), since=jnp.int32(0),
                           peak=jnp.zeros((), real), k=jnp.int32(0),
-                          go=jnp.bool_(True), status=jnp.int32(RUNNING), history=history)
-    state = _method.while_loop(problem.ip, problem.b, lambda st: st.go,
-                               functools.partial(_one_sync_step, ctx=ctx), state)
-    x = tree.add(x, ctx.M(state.u))
+                          go=jnp.bool_(True), status=jnp.int32(RUNNING), history=history,
+                          start=jnp.int32(0), start_rr=jnp.full((), jnp.inf, real),
+                          pending=jnp.bool_(False))
+    state = _method.confirmed_rounds(
+        problem.ip, problem.b, state, checks=lambda st: st, going=lambda st: st.go,
+        step=functools.partial(_one_sync_step, ctx=ctx),
+        restart=functools.partial(_one_sync_restart, ctx=ctx, b=problem.b))
+    x = tree.add(state.x, ctx.M(state.u))
     return Outcome(x=x, status=state.status, iterations=state.k, history=state.history)
 
 

@@ -28,7 +28,7 @@ _NONLINEAR = {
 _BILINEAR = {"mul", "dot_general", "conv_general_dilated"}
 
 
-def _inner(eqn):
+def _called_jaxpr(eqn):
     """The inner jaxpr of a call-like primitive whose inputs map one to one."""
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         inner = eqn.params.get(key)
@@ -55,7 +55,7 @@ def first_nonlinearity(jaxpr, dependent: list[bool]) -> str | None:
         if name in _NONLINEAR or (name in _BILINEAR and sum(flags) > 1) \
                 or (name == "div" and flags[1]):
             return f"`{name}` at {where}"
-        inner = _inner(eqn)
+        inner = _called_jaxpr(eqn)
         if inner is not None:
             found = first_nonlinearity(inner, flags)
             if found:
