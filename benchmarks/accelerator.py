@@ -171,7 +171,7 @@ class Runner:
         import tempfile
 
         deadline = time.time() + self.args.budget
-        rows_path = tempfile.mktemp(suffix=".jsonl")
+        rows_path = os.path.join(tempfile.mkdtemp(), "rows.jsonl")
         rows, total, meta = [], None, {}
         while total is None or len(rows) < total:
             command = [sys.executable, __file__, *sys.argv[1:], "--start", str(len(rows)),
@@ -264,14 +264,12 @@ def gradient_row(n, solve, dtype):
 
 # ---------------------------------------------------------- structured solves
 def dense_tridiagonal(l, d, u, cyclic):
-    n = d.shape[0]
-    A = np.diag(d) + np.diag(l[1:], -1) + np.diag(u[:-1], 1)
-    if cyclic:
-        A[0, n - 1], A[n - 1, 0] = l[0], u[-1]
-    return A
+    """Bands `(n,)` as 1 x 1 blocks (`lower[0]`, `upper[-1]`: the corners)."""
+    return dense_block_tridiagonal(*(np.reshape(a, (-1, 1, 1)) for a in (l, d, u)), cyclic)
 
 
 def dense_block_tridiagonal(L, D, U, cyclic):
+    """Blocks `(n, m, m)`; with `cyclic`, `L[0]` and `U[-1]` wrap around."""
     n, m = D.shape[0], D.shape[1]
     A = np.zeros((n * m, n * m))
     for i in range(n):

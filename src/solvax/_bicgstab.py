@@ -42,8 +42,6 @@ class _Context(NamedTuple):
     A: Callable
     M: Callable
     ip: _reduce.Reduction
-    shadow: PyTree  # r0, the fixed shadow residual (one_sync)
-    shadow_norm: jax.Array  # ||r0||
     tol2: jax.Array  # max(atol, rtol ||b||)^2
     max_steps: int
 
@@ -166,6 +164,40 @@ class _OneSyncState(NamedTuple):
     pending: jax.Array  # the recurrences drifted after progress: restart (`_one_sync_restart`)
 
 
+def _preconditioned(ctx: _Context):
+    """`B = A M`: the one-synchronization recurrences' operator."""
+    return lambda y: ctx.A(ctx.M(y))
+
+
+def _one_sync_coefficients(rr, r0r, r0v, r0w, r0q, wr, wv, qr, qv, ww, wq, qq, rv, vv):
+    """`alpha`, `|alpha|^2`, `omega`, `beta`, the next `rho` and the expanded
+    `<s, s>`, `<t, t>`, `<t, s>` from the step's 14 products."""
+    rho = r0r  # measured; the next one (for beta) by the expansion
+    alpha = rho / nonzero(r0v)
+    a2 = jnp.real(alpha * jnp.conj(alpha))
+    ss = jnp.maximum(rr - 2 * jnp.real(alpha * rv) + a2 * vv, 0)
+    tt = jnp.maximum(ww - 2 * jnp.real(alpha * wq) + a2 * qq, 0)
+    ts = wr - alpha * wv - jnp.conj(alpha) * qr + a2 * qv
+    omega = ts / nonzero(tt).astype(ts.dtype)
+    rho_next = rho - alpha * r0v - omega * (r0w - alpha * r0q)
+    beta = (rho_next / nonzero(rho)) * (alpha / nonzero(omega))
+    return alpha, a2, omega, beta, rho_next, ss, tt, ts
+
+
+def _rounding_level(st: _OneSyncState, rr, tt, ww, a2, qq):
+    """`(since, peak, rounding)`. The rounding level: <t, t> cancelled down to
+    the rounding of its terms (omega would be noise), or the recursive
+    residual near the rounding of the largest one and not lowered for STALL
+    steps. Past it the recursive residual hovers while x drifts away
+    (measured: rtol 1e-14 on convection-diffusion 64^2, the residual held
+    near 2e-12 for 2800 steps while x reached Inf)."""
+    eps = jnp.finfo(rr.dtype).eps
+    since = jnp.where(rr < st.best, 0, st.since + 1)
+    peak = jnp.maximum(st.peak, rr)
+    stalled = (since >= STALL) & (rr <= (1e4 * eps) ** 2 * peak)
+    return since, peak, (tt <= 100 * eps * (ww + a2 * qq)) | stalled
+
+
 def _one_sync_step(st: _OneSyncState, ctx: _Context) -> _OneSyncState:
     """One BiCGStab step with one synchronization (after Yang & Brent 2002).
 
@@ -178,23 +210,17 @@ def _one_sync_step(st: _OneSyncState, ctx: _Context) -> _OneSyncState:
     much smaller than `r` (cancellation): the finite-precision cost of the
     saved synchronization (docs/krylov.md).
     """
-    B = lambda y: ctx.A(ctx.M(y))  # noqa: E731
+    B = _preconditioned(ctx)
     with jax.named_scope("solvax.bicgstab.reduce"):
-        (rr, r0r, r0v, r0w, r0q, wr, wv, qr, qv, ww, wq, qq, rv, vv) = ctx.ip.multi_dot(
+        products = ctx.ip.multi_dot(
             [(st.r, st.r), (st.shadow, st.r), (st.shadow, st.v), (st.shadow, st.w),
              (st.shadow, st.q), (st.w, st.r), (st.w, st.v), (st.q, st.r), (st.q, st.v),
              (st.w, st.w), (st.w, st.q), (st.q, st.q), (st.r, st.v), (st.v, st.v)])
+    (rr, r0r, r0v, r0w, r0q, wr, wv, qr, qv, ww, wq, qq, rv, vv) = products
     rr, ww, qq, vv = (jnp.real(a) for a in (rr, ww, qq, vv))
     history = None if st.history is None else st.history.at[st.k].set(_reduce.real_sqrt(rr))
-    rho = r0r  # measured; the next one (for beta) by the expansion
-    alpha = rho / nonzero(r0v)
-    a2 = jnp.real(alpha * jnp.conj(alpha))
-    ss = jnp.maximum(rr - 2 * jnp.real(alpha * rv) + a2 * vv, 0)
-    tt = jnp.maximum(ww - 2 * jnp.real(alpha * wq) + a2 * qq, 0)
-    ts = wr - alpha * wv - jnp.conj(alpha) * qr + a2 * qv
-    omega = ts / nonzero(tt).astype(ts.dtype)
-    rho_next = rho - alpha * r0v - omega * (r0w - alpha * r0q)
-    beta = (rho_next / nonzero(rho)) * (alpha / nonzero(omega))
+    alpha, a2, omega, beta, rho_next, ss, tt, ts = _one_sync_coefficients(
+        rr, r0r, r0v, r0w, r0q, wr, wv, qr, qv, ww, wq, qq, rv, vv)
     done, limit = rr <= ctx.tol2, st.k >= ctx.max_steps
     finite = jnp.isfinite(rr) & jnp.isfinite(jnp.abs(r0v)) & jnp.isfinite(tt) & jnp.isfinite(
         jnp.abs(ts))
@@ -202,17 +228,7 @@ def _one_sync_step(st: _OneSyncState, ctx: _Context) -> _OneSyncState:
     start_rr = jnp.where(st.k == st.start, rr, st.start_rr)  # <r0, r0>
     lost_alpha = negligible(r0v, norm(start_rr), norm(vv))
     lost_omega = (tt == 0) | negligible(ts, norm(tt), norm(ss))
-    # The rounding level: <t, t> cancelled down to the rounding of its terms
-    # (omega would be noise), or the recursive residual near the rounding of the
-    # largest one and not lowered for STALL steps. Past it the recursive residual
-    # hovers while x drifts away (measured: rtol 1e-14 on convection-diffusion
-    # 64^2, the residual held near 2e-12 for 2800 steps while x reached Inf).
-    eps = jnp.finfo(rr.dtype).eps
-    lowered = rr < st.best
-    since = jnp.where(lowered, 0, st.since + 1)
-    peak = jnp.maximum(st.peak, rr)
-    stalled = (since >= STALL) & (rr <= (1e4 * eps) ** 2 * peak)
-    rounding = (tt <= 100 * eps * (ww + a2 * qq)) | stalled
+    since, peak, rounding = _rounding_level(st, rr, tt, ww, a2, qq)
     half = ss <= ctx.tol2
     # The expansions drift from the vectors they stand for, and the Lanczos
     # part breaks down (float32 Poisson 128^2: BREAKDOWN at 1e-3 to 1.1 ||b||,
@@ -245,42 +261,43 @@ def _one_sync_step(st: _OneSyncState, ctx: _Context) -> _OneSyncState:
     v = tree.axpy(beta, tree.axpy(-omega, st.q, st.v), w)
     with jax.named_scope("solvax.bicgstab.matvec"):
         q = B(v)
-    return _OneSyncState(x=st.x, shadow=st.shadow, u=u, r=r, p=p, v=v, w=w, q=q,
-                         best=jnp.minimum(st.best, rr),
-                         since=since, peak=peak, k=st.k + take_alpha.astype(jnp.int32),
-                         go=(status == RUNNING) & ~limit & ~pending, status=status,
-                         history=history, start=st.start, start_rr=start_rr, pending=pending)
+    return st._replace(u=u, r=r, p=p, v=v, w=w, q=q, best=jnp.minimum(st.best, rr),
+                       since=since, peak=peak, k=st.k + take_alpha.astype(jnp.int32),
+                       go=(status == RUNNING) & ~limit & ~pending, status=status,
+                       history=history, start_rr=start_rr, pending=pending)
 
 
-def _one_sync_restart(st: _OneSyncState, ctx: _Context, b) -> _OneSyncState:
-    """The one-synchronization recurrences restarted from the current iterate
-    `x + M u`: its true residual (the new shadow), `p = r` and the products `w = B r`,
-    `v = B p`, `q = B v` recomputed (a preconditioner application and three
-    matvecs; no reduction: the next step's one measures them all)."""
-    B = lambda y: ctx.A(ctx.M(y))  # noqa: E731
-    with jax.named_scope("solvax.bicgstab.restart"):
-        x = tree.add(st.x, ctx.M(st.u))
-        r = tree.sub(b, ctx.A(x))
-        w = B(r)
-        q = B(w)
-    return st._replace(x=x, shadow=r, u=tree.zeros_like(st.u), r=r, p=r, v=w, w=w, q=q,
+def _one_sync_from(st: _OneSyncState, ctx: _Context, x, r) -> _OneSyncState:
+    """The one-synchronization recurrences (re)started at `x` with residual
+    `r`: `r` becomes the shadow, `p = r`, and `w = B r = v`, `q = B v` are
+    computed (two matvecs, no reduction: the next step's one measures them)."""
+    B = _preconditioned(ctx)
+    w = B(r)
+    q = B(w)
+    return st._replace(x=x, shadow=r, u=tree.zeros_like(r), r=r, p=r, v=w, w=w, q=q,
                        start=st.k, since=jnp.zeros_like(st.since), pending=jnp.bool_(False),
                        go=jnp.bool_(True))
 
 
+def _one_sync_restart(st: _OneSyncState, ctx: _Context, b) -> _OneSyncState:
+    """Restarted from the current iterate `x + M u` and its true residual (a
+    preconditioner application and three matvecs in all)."""
+    with jax.named_scope("solvax.bicgstab.restart"):
+        x = tree.add(st.x, ctx.M(st.u))
+        return _one_sync_from(st, ctx, x, tree.sub(b, ctx.A(x)))
+
+
 def _run_one_sync(problem: Problem, ctx: _Context, x, r, history) -> Outcome:
     """The one-synchronization loop from `x` (`x0` or 0) and its residual `r`."""
-    B = lambda y: ctx.A(ctx.M(y))  # noqa: E731
-    with jax.named_scope("solvax.bicgstab.setup"):
-        w = B(r)
-        q = B(w)
     real = problem.real_dtype()
-    state = _OneSyncState(x=x, shadow=r, u=tree.zeros_like(r), r=r, p=r, v=w, w=w, q=q,
+    state = _OneSyncState(x=x, shadow=r, u=r, r=r, p=r, v=r, w=r, q=r,
                           best=jnp.full((), jnp.inf, real), since=jnp.int32(0),
                           peak=jnp.zeros((), real), k=jnp.int32(0),
                           go=jnp.bool_(True), status=jnp.int32(RUNNING), history=history,
                           start=jnp.int32(0), start_rr=jnp.full((), jnp.inf, real),
                           pending=jnp.bool_(False))
+    with jax.named_scope("solvax.bicgstab.setup"):
+        state = _one_sync_from(state, ctx, x, r)
     state = _method.confirmed_rounds(
         problem.ip, problem.b, state, checks=lambda st: st, going=lambda st: st.go,
         step=functools.partial(_one_sync_step, ctx=ctx),
@@ -303,8 +320,8 @@ def _run(problem: Problem, *, method: str, max_steps: int | None,
     with jax.named_scope("solvax.bicgstab.setup"):
         x, r, rr, bb = _start(problem)
     tol2 = _driver.squared_threshold(bb, rtol, atol)
-    ctx = _Context(A=problem.A, M=problem.precond or (lambda v: v), ip=problem.ip, shadow=r,
-                   shadow_norm=_reduce.real_sqrt(rr), tol2=tol2, max_steps=max_steps)
+    ctx = _Context(A=problem.A, M=problem.precond or (lambda v: v), ip=problem.ip, tol2=tol2,
+                   max_steps=max_steps)
     if method == "one_sync":
         return _run_one_sync(problem, ctx, x, r, problem.history(max_steps + 1, record_history))
     one = jnp.ones((), tree.result_dtype(problem.b))
@@ -312,7 +329,7 @@ def _run(problem: Problem, *, method: str, max_steps: int | None,
                    rho_prev=one, alpha=one, omega=one, k=jnp.int32(0), go=jnp.bool_(True),
                    status=jnp.int32(RUNNING), history=problem.history(max_steps + 1,
                                                                       record_history),
-                   shadow=r, shadow_norm=ctx.shadow_norm, rr=rr, start=jnp.int32(0),
+                   shadow=r, shadow_norm=_reduce.real_sqrt(rr), rr=rr, start=jnp.int32(0),
                    pending=jnp.bool_(False))
     # steps in rounds, each after a restart where the last one asked for it
     state = _method.confirmed_rounds(problem.ip, problem.b, state, checks=lambda st: st,

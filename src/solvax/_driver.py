@@ -226,7 +226,7 @@ def make_problem(matvec, b, *, x0=None, precond=None, rtol=0.0, atol=0.0, inner_
         x0 = _checks.strong(x0)
     rtol = checked_tolerances(rtol, atol, b)
     ip = resolved_inner_product(inner_product, axis_name, b)
-    return Problem(A=closed_operator("matvec", matvec, b), b=b, x0=x0,
+    return Problem(A=closed_operator("matvec", matvec, b, linear=True), b=b, x0=x0,
                    precond=None if precond is None else closed_operator("precond", precond, b),
                    rtol=as_option(rtol), atol=as_option(atol), ip=ip)
 
@@ -250,15 +250,18 @@ def resolved_inner_product(inner_product, axis_name, like) -> _reduce.Reduction:
     return ip
 
 
-def closed_operator(name: str, fn, b, arg: str = "b") -> Closed:
-    """`fn` as a `Closed`, its output checked against `b` (on the converted
-    function: the user's function is traced once); `arg`: `b`'s name in errors."""
+def closed_operator(name: str, fn, b, arg: str = "b", linear: bool = False) -> Closed:
+    """`fn` as a `Closed`, its output checked against `b` and, with `linear`,
+    its program checked linear in its argument (`_linearity`), both on one
+    trace of the converted function (the user's function is traced once);
+    `arg`: `b`'s name in errors."""
     _checks.check_callable(name, fn)
     with _checks.failures_named(name):
         A = close(fn, b)
-    _checks.check_like(f"{name}({arg})", jax.eval_shape(A, b), arg, b)
-    if name == "matvec":
-        _linearity.check_linear(name, A, b)
+    program, out = jax.make_jaxpr(A, return_shape=True)(b)
+    _checks.check_like(f"{name}({arg})", out, arg, b)
+    if linear:
+        _linearity.check_linear(name, program)
     return A
 
 

@@ -64,10 +64,10 @@ def first_nonlinearity(jaxpr, dependent: list[bool]) -> str | None:
     return None
 
 
-def check_linear(name: str, fn, x) -> None:
-    """Refuse `fn` (the argument `name`) when its trace at `x` is not linear in `x`."""
-    closed = jax.make_jaxpr(fn)(x)
-    found = first_nonlinearity(closed.jaxpr, [True] * len(closed.jaxpr.invars))
+def check_linear(name: str, program) -> None:
+    """Refuse the argument `name` when its traced `program` (a closed jaxpr of
+    the function at a vector) is not linear in its inputs."""
+    found = first_nonlinearity(program.jaxpr, [True] * len(program.jaxpr.invars))
     if found:
         raise ValueError(
             f"`{name}` is not linear in its argument: {found} applies a nonlinear operation "

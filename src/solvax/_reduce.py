@@ -23,7 +23,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from . import _checks, _dense
@@ -151,10 +150,9 @@ def power_of_two_below(value: jax.Array) -> jax.Array:
     exponent = exponent.astype(jnp.int32)
     magnitude = jnp.abs(exponent)
     power = jnp.ones_like(value)
-    for k in range(int(np.ceil(np.log2(limits.maxexp))) + 1):
-        factor = jnp.asarray(np.ldexp(1.0, 2**k), dtype) if 2**k < limits.maxexp else None
-        if factor is not None:
-            power = power * jnp.where((magnitude >> k) & 1 == 1, factor, 1)
+    for k in range((int(limits.maxexp) - 1).bit_length()):  # the bits of |exponent| < maxexp
+        factor = jnp.asarray(float(2 ** 2**k), dtype)
+        power = power * jnp.where((magnitude >> k) & 1 == 1, factor, 1)
     scale = jnp.where(exponent < 0, 1 / power, power)
     scale = jnp.where(scale > value, scale / 2, scale)
     scale = jnp.where(2 * scale <= value, 2 * scale, scale)

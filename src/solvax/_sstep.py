@@ -226,7 +226,6 @@ def _next_bases(X, AV, AQR, B, a, s: int):
 
 
 def _outer_step(st: _State, ctx: _Context) -> _State:
-    real = st.tol2.dtype
     eps = ctx.eps
     s = ctx.s
     x, r = tree.basis_get(st.QX, s), tree.basis_get(st.AQR, s)
@@ -252,18 +251,8 @@ def _outer_step(st: _State, ctx: _Context) -> _State:
 
     B, Wn, spec, a = _coordinates(st.W, XZ, s, eps)
     status, finite = _step_status(rr, tol2, Wn, spec, eps)
-    retry = jnp.zeros((), bool)
-    if ctx.estimate:
-        # The first block's basis is unscaled (no spectrum known yet): its
-        # Gram matrix grows like lambda_max^(2s-1) and overflowed float32 (and
-        # a TPU's emulated float64, float32's range) for a 128^2 Laplacian
-        # (lambda_max 1.3e5). Retried on the interval of twice the Rayleigh
-        # quotient z^H A z / z^H M^-1 z (a lower bound of lambda_max; a retry
-        # that overflows again quadruples it): s matvecs and one reduction
-        # more, in the same loop (no collective added), x unchanged.
-        rayleigh = jnp.real(XZ[0, 0]) / jnp.real(XZ[0, s])
-        retry = (st.k == 0) & ~finite & jnp.isfinite(rayleigh) & (rayleigh > 0)
-        status = jnp.where(retry, RUNNING, status)
+    retry, rayleigh = _first_block_overflowed(st, ctx, XZ, finite)
+    status = jnp.where(retry, RUNNING, status)
     # the own residual's convergence is confirmed on the true one (`_rounds`)
     checks = st.checks.after_step(status == code(Status.CONVERGED), rr, tol2)
     status = jnp.where(checks.stalled, code(Status.STAGNATION), status)
@@ -271,25 +260,48 @@ def _outer_step(st: _State, ctx: _Context) -> _State:
     update = go & ~retry
     a = jnp.where(update, a, 0)  # a step that does not go leaves x and r as they are
     QX, AQR = _next_bases(X, AV, st.AQR, B, a, s)
-
-    center, half, lmax = st.center, st.half, st.lmax
-    if ctx.estimate:  # Chebyshev/Newton on [0, 1.1 lmax]: Ritz values lie below lmax
-        G, N = XZ[:s, :s], XZ[:s, s:2 * s]  # V^H A V, V^H Y with Y_0 = r
-        # The largest Ritz value of a block settles within a few blocks; later
-        # ones would cost two small eigensolves per step for little (measured:
-        # 0.35x -> 0.30x jax.scipy's cg per iteration on the latency-bound mesh).
-        lmax = lax.cond(st.k < _RITZ_STEPS, lambda: jnp.maximum(lmax, jnp.where(
-            finite, _largest_ritz(G, N, eps), 0).astype(real)), lambda: lmax)
-        lmax = jnp.where(retry, jnp.maximum(4 * st.lmax, 2 * rayleigh), lmax).astype(real)
-        center = half = jnp.where(lmax > 0, 0.55 * lmax, half).astype(real)
-    if ctx.estimate:  # a retried step keeps the bases and the previous block's data
-        QX, AQR = (tree.where(retry, old, new) for old, new in ((st.QX, QX), (st.AQR, AQR)))
-        spec = jax.tree_util.tree_map(lambda old, new: jnp.where(retry, old, new), st.W, spec)
+    center, half, lmax = _interval(st, ctx, XZ, finite, retry, rayleigh)
+    # a retried step keeps the bases and the previous block's data
+    QX, AQR, spec = tree.where(retry, (st.QX, st.AQR, st.W), (QX, AQR, spec))
     return _State(
         QX=QX, AQR=AQR, W=spec,
         center=center, half=half, lmax=lmax, tol2=tol2, rr=rr,
         k=st.k + update.astype(st.k.dtype),
         status=status, go=go, checks=checks, history=history)
+
+
+def _first_block_overflowed(st: _State, ctx: _Context, XZ, finite):
+    """`(retry, rayleigh)`. The first block's basis is unscaled (no spectrum
+    known yet): its Gram matrix grows like lambda_max^(2s-1) and overflowed
+    float32 (and a TPU's emulated float64, float32's range) for a 128^2
+    Laplacian (lambda_max 1.3e5). Such a step is retried (`_interval`) on
+    the interval of twice the Rayleigh quotient z^H A z / z^H M^-1 z (a lower
+    bound of lambda_max; a retry that overflows again quadruples it): s
+    matvecs and one reduction more, in the same loop (no collective added),
+    x unchanged. With a given spectrum the basis is scaled: never."""
+    if not ctx.estimate:
+        return jnp.zeros((), bool), None
+    rayleigh = jnp.real(XZ[0, 0]) / jnp.real(XZ[0, ctx.s])
+    return (st.k == 0) & ~finite & jnp.isfinite(rayleigh) & (rayleigh > 0), rayleigh
+
+
+def _interval(st: _State, ctx: _Context, XZ, finite, retry, rayleigh):
+    """`(center, half, lmax)` of the next block's basis polynomials: when
+    estimating, Chebyshev/Newton on [0, 1.1 lmax] (Ritz values lie below
+    lmax), lmax from the block's Ritz values, or on a retry
+    (`_first_block_overflowed`) from the Rayleigh quotient."""
+    if not ctx.estimate:
+        return st.center, st.half, st.lmax
+    real, s = st.tol2.dtype, ctx.s
+    G, N = XZ[:s, :s], XZ[:s, s:2 * s]  # V^H A V, V^H Y with Y_0 = r
+    # The largest Ritz value of a block settles within a few blocks; later
+    # ones would cost two small eigensolves per step for little (measured:
+    # 0.35x -> 0.30x jax.scipy's cg per iteration on the latency-bound mesh).
+    lmax = lax.cond(st.k < _RITZ_STEPS, lambda: jnp.maximum(st.lmax, jnp.where(
+        finite, _largest_ritz(G, N, ctx.eps), 0).astype(real)), lambda: st.lmax)
+    lmax = jnp.where(retry, jnp.maximum(4 * st.lmax, 2 * rayleigh), lmax).astype(real)
+    center = jnp.where(lmax > 0, 0.55 * lmax, st.half).astype(real)
+    return center, center, lmax
 
 
 def _restart(st: _State, ctx: _Context) -> _State:
