@@ -18,7 +18,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
-from solvax import _table  # noqa: E402
+from solvax._accounting import table as _table  # noqa: E402
 
 
 def main() -> None:

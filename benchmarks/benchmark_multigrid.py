@@ -262,7 +262,7 @@ def cycles(small):
     rows = []
     for name, k in fields.items():
         op = sx.diffusion_operator(k)
-        for cycle in sx._multigrid.CYCLES:
+        for cycle in sx._grid.multigrid.CYCLES:
             mg = sx.multigrid(op, cycle=cycle)
             krylov = sx.pcg if cycle != "F" else sx.gmres
             fns = {"krylov": lambda m, b, op=op, krylov=krylov: krylov(op, b, precond=m,

@@ -145,7 +145,7 @@ class Solver:
 
     `solve(matvec, b, **options) -> Solution` (every option of the method,
     `axis_name` included, passes through); `method` is the driver method it
-    runs (`solvax._driver.REGISTRY`); `counts` are its pinned collective counts
+    runs (`solvax._core.driver.REGISTRY`); `counts` are its pinned collective counts
     on a diagonal operator under `jit` with a sharded vector: (primal total,
     adjoint total, per iteration; a GMRES restart and its Arnoldi step both
     count).

@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from solvax import distributed  # noqa: E402
+from solvax import distributed
 
 DIE = sys.argv[1:2] == ["--die-after-init"]
 process_id, num_processes = distributed.initialize(timeout=10 if DIE else 60)

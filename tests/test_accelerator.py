@@ -23,7 +23,7 @@ import pytest
 from helpers import SOLVERS, rel_err
 
 import solvax as sx
-from solvax import _dense
+from solvax._core import dense as _dense
 
 SHAPE = (16, 16)
 # linalg primitives a TPU cannot run in float64 (or compiles for minutes)
@@ -130,7 +130,7 @@ def test_preconditioners_and_structured_solves_lower_float64():
 def test_power_of_two_scale_is_exact_without_bitcasts():
     """`power_of_two_below` equals frexp's power of two on every normal
     number (subnormals: the smallest normal one), float32 and float64."""
-    from solvax._reduce import power_of_two_below
+    from solvax._core.reduce import power_of_two_below
 
     rng = np.random.default_rng(0)
     for dtype in (np.float32, np.float64):
@@ -149,7 +149,7 @@ def test_power_of_two_scale_stays_small_when_fused():
     `2^(2^k)` step by step, each step reading the last three times (10^21
     nodes unshared), and `python -m solvax` then compiled the IDR(4)
     adjoint on XLA:CPU for over 20 minutes instead of 6 s."""
-    from solvax._reduce import power_of_two_below
+    from solvax._core.reduce import power_of_two_below
 
     for dtype in (jnp.float32, jnp.float64):
         jaxpr = jax.make_jaxpr(power_of_two_below)(jnp.ones((), dtype)).jaxpr

@@ -79,7 +79,7 @@ def test_benchmark_peers_then_multigrid_small(tmp_path):
                      "solvax pcg pipelined": 1, "solvax pcg s_step s=4": 0.25,
                      "jax.scipy cg": 2, "solvax bicgstab": 2, "solvax bicgstab one_sync": 1,
                      # executed: jax.scipy's 4 instructions, two of them tuples of 2
-                     "jax.scipy bicgstab": 6 if sx._reduce.MERGES_ALL_REDUCES else 4,
+                     "jax.scipy bicgstab": 6 if sx._core.reduce.MERGES_ALL_REDUCES else 4,
                      "floor: 1 all-reduce, nothing else": 1,
                      "floor: 2 all-reduces, nothing else": 2}, syncs
     # multigrid on 8 devices: the coarsest grid gathered, or smoothed (no gather)

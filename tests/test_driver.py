@@ -13,7 +13,8 @@ from helpers import SOLVERS, WITH_WRAPPERS, dense_tridiagonal, rel_err, rhs
 from matrix import levels
 
 import solvax as sx
-from solvax import _driver
+from solvax._core import contract as _contract
+from solvax._core import driver as _driver
 
 N = 12
 
@@ -58,10 +59,10 @@ def test_a_method_that_captures_a_traced_value_is_caught():
     captured = {}
 
     def run(problem):
-        return _driver.Outcome(x=captured["b"] / 2.0, status=jnp.int32(0),
+        return _contract.Outcome(x=captured["b"] / 2.0, status=jnp.int32(0),
                                iterations=jnp.int32(0))
 
-    bad = _driver.Method("captures_b", run)
+    bad = _contract.Method("captures_b", run)
 
     def loss(b):
         captured["b"] = b

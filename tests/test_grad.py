@@ -189,15 +189,15 @@ def test_grad_of_jit_with_traced_options(solve):
 def test_transposed_solve_traced_only_for_derivatives(monkeypatch):
     """A solve that is not differentiated traces its iteration once; reverse
     mode traces the transposed solve as well."""
-    from solvax import _gmres
+    from solvax._krylov import gmres as _gmres
     traced = []
-    original = _gmres._arnoldi
+    original = _gmres.make_arnoldi
 
     def counting(*args, **kwargs):
         traced.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(_gmres, "_arnoldi", counting)
+    monkeypatch.setattr(_gmres, "make_arnoldi", counting)
     A = jnp.asarray(random_nonsymmetric(N))
     b = rhs(N)
     jax.jit(lambda b: sx.gmres(lambda x: A @ x, b).x).trace(b)

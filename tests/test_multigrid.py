@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import solvax as sx
-from solvax._comm import analyze_hlo
+from solvax._accounting.counter import analyze_hlo
 
 
 def matrix_of(fn, shape):
@@ -553,7 +553,7 @@ def test_padded_coarse_levels_are_the_same_hierarchy(monkeypatch, options):
     # the coarse levels written once (a scanned body on padded grids) hold the
     # same operators as levels built one by one, and the cycle stays SPD;
     # small grids take the tail here by lowering its threshold
-    from solvax import _multigrid
+    from solvax._grid.multigrid import hierarchy as _multigrid
     k, b = field((64, 64)), jnp.asarray(np.random.default_rng(1).standard_normal((64, 64)))
     A = sx.diffusion_operator(k, boundary="neumann", shift=0.1)
 
@@ -586,7 +586,7 @@ def test_which_levels_are_padded(monkeypatch):
     # default takes levels of at most 1/64 of the finest grid (eval_shape:
     # traced, not compiled). One device: the process has one, or `shards`
     # says so (these tests run on 8)
-    from solvax import _multigrid
+    from solvax._grid.multigrid import hierarchy as _multigrid
 
     def tail(shape, **options):
         k = jax.ShapeDtypeStruct(shape, jnp.float64)

@@ -8,7 +8,7 @@ from helpers import mesh, put, rel_err, solve_dense_tridiagonal
 from jax.sharding import PartitionSpec as P
 
 import solvax as sx
-from solvax._tridiagonal import lax_supports
+from solvax._structured.tridiagonal import lax_supports
 
 
 def system(n, band_tail=(), rhs_tail=(), dtype=np.float64, seed=0):

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from matrix import examples
 
 import solvax as sx
-from solvax._tridiagonal import lax_supports
+from solvax._structured.tridiagonal import lax_supports
 
 
 @settings(max_examples=examples(12), deadline=None)

@@ -13,8 +13,8 @@ import pytest
 from helpers import mesh, put
 
 import solvax as sx
-from solvax._closure import close
-from solvax._precision import lowered
+from solvax._core.closure import close
+from solvax._precision.narrowing import lowered
 
 N = 64
 

@@ -298,7 +298,7 @@ def test_merges_all_reduces_flag_matches_the_compiler():
         return jax.lax.fori_loop(0, 3, step, u)
 
     report = sx.count_collectives(two_projections, basis, u)
-    assert report.per_iteration == (1 if sx._reduce.MERGES_ALL_REDUCES else 2), str(report)
+    assert report.per_iteration == (1 if sx._core.reduce.MERGES_ALL_REDUCES else 2), str(report)
 
 
 @pytest.mark.parametrize("name", LAYOUT_SOLVERS)
@@ -309,7 +309,7 @@ def test_pytree_counts_version_gate(name):
     b = {k: b[k] for k in ("leaf0", "leaf1")}
     report = sx.count_collectives(SOLVERS[name], d, b)
     single_leaf = counts(name, 8)[0]
-    factor = 1 if sx._reduce.MERGES_ALL_REDUCES else LEAVES
+    factor = 1 if sx._core.reduce.MERGES_ALL_REDUCES else LEAVES
     assert report.total == factor * single_leaf.total, str(report)
     assert report.per_iteration == factor * single_leaf.per_iteration
     assert report.count("all-gather") == 0

@@ -166,7 +166,7 @@ def test_idrs_shadow_space_is_deterministic_and_keyed():
 
 
 def test_idrs_shadow_space_keeps_leaf_shapes():
-    from solvax._idrs import shadow_space
+    from solvax._krylov.idrs import shadow_space
 
     b = {"a": jnp.ones((3, 5)), "c": jnp.ones(7, jnp.complex64)}
     P = shadow_space(b, 4, jax.random.PRNGKey(0))

@@ -181,7 +181,7 @@ def test_one_sync_matches_cgs2(problem):
     its iteration count within 5% (the rule that made it the default)."""
     from helpers import convection_diffusion
 
-    from solvax._gmres import arnoldi_basis
+    from solvax._krylov.gmres import arnoldi_basis
 
     mv = convection_diffusion(10.0) if problem == "convection_diffusion" else poisson_2d
     b = rhs((24, 24))
@@ -216,7 +216,10 @@ def test_gmres_least_squares_without_rotations(dtype):
     """The per-step estimate (left null vector of the Hessenberg matrix) equals
     the least-squares residual of each leading block, and the cycle's QR solve
     equals NumPy's least squares, unused columns contributing nothing."""
-    from solvax._gmres import _Column, _finalize_column, _least_squares, _start_estimate
+    from solvax._krylov.arnoldi import Column as _Column
+    from solvax._krylov.arnoldi import finalize_column as _finalize_column
+    from solvax._krylov.arnoldi import least_squares as _least_squares
+    from solvax._krylov.arnoldi import start_estimate as _start_estimate
 
     rng = np.random.default_rng(3)
     m, beta = 8, 2.5
@@ -245,8 +248,10 @@ def test_gmres_least_squares_without_rotations(dtype):
 def test_gmres_dependent_column_is_a_breakdown():
     """A Hessenberg column in the range of the earlier ones (and no new
     direction) is rejected: the space is invariant and the operator singular."""
-    from solvax._gmres import _Column, _finalize_column, _start_estimate
-    from solvax._solution import Status
+    from solvax._core.solution import Status
+    from solvax._krylov.arnoldi import Column as _Column
+    from solvax._krylov.arnoldi import finalize_column as _finalize_column
+    from solvax._krylov.arnoldi import start_estimate as _start_estimate
 
     est = _start_estimate(jnp.float64(1), 3, np.float64)
     est, accept, _ = _finalize_column(

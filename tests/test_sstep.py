@@ -10,7 +10,7 @@ from helpers import poisson_2d, random_spd, rel_err, rhs
 
 import solvax as sx
 from solvax import Status
-from solvax._sstep import leja_order
+from solvax._krylov.sstep import leja_order
 
 
 def true_rel_residual(matvec, b, x):

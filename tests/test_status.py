@@ -153,15 +153,15 @@ def test_cg_step_status_order(rr, gamma, curvature, expected):
     """The CG step's predicate (comparisons only) and the stop reason evaluated
     after the loop agree, in the documented order: non-finite, converged,
     indefinite."""
-    from solvax import _cg
+    from solvax._krylov import cg_steps as _cg
     tol2 = jnp.float64(1e-16)
     rr, gamma, curvature = (jnp.float64(v) for v in (rr, gamma, curvature))
-    go = _cg._goes(_cg._may_go(rr, gamma, tol2), curvature)
+    go = _cg.goes(_cg.may_go(rr, gamma, tol2), curvature)
     assert bool(go) == (int(expected) == -1)
     if not bool(go):
-        scalars = _cg._Scalars(gamma=gamma, alpha=None, tol2=tol2, k=None, go=go, rr=rr,
+        scalars = _cg.Scalars(gamma=gamma, alpha=None, tol2=tol2, k=None, go=go, rr=rr,
                                curvature=curvature, history=None)
-        assert int(_cg._stop_reason(scalars)) == int(expected)
+        assert int(_cg.stop_reason(scalars)) == int(expected)
 
 
 @pytest.mark.parametrize("method", ["standard", "single_reduction", "pipelined"])

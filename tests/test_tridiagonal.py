@@ -7,7 +7,7 @@ import pytest
 from helpers import dense_tridiagonal, rel_err, solve_dense_tridiagonal
 
 import solvax as sx
-from solvax._tridiagonal import lax_supports
+from solvax._structured.tridiagonal import lax_supports
 
 METHODS = ["thomas", "lax", "auto"]
 

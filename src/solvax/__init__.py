@@ -6,53 +6,53 @@ private (this file re-exports the API); `solvax.distributed` is the public
 multi-process submodule.
 """
 
-from . import _compat  # noqa: F401  (shims for the oldest supported JAX)
-from ._bicgstab import bicgstab as bicgstab
-from ._block_tridiagonal import BlockTridiagonalFactors as BlockTridiagonalFactors
-from ._block_tridiagonal import banded_solve as banded_solve
-from ._block_tridiagonal import block_tridiagonal_factor as block_tridiagonal_factor
-from ._block_tridiagonal import block_tridiagonal_solve as block_tridiagonal_solve
-from ._block_tridiagonal import (
+from ._accounting.counter import CollectiveReport as CollectiveReport
+from ._accounting.counter import count_collectives as count_collectives
+from ._core import compat  # noqa: F401  (shims for the oldest supported JAX)
+from ._core.parallel import shard_batch as shard_batch
+from ._core.parallel import shard_map as shard_map
+from ._core.reduce import InnerProduct as InnerProduct
+from ._core.solution import Solution as Solution
+from ._core.solution import Status as Status
+from ._grid.multigrid import Multigrid as Multigrid
+from ._grid.multigrid import multigrid as multigrid
+from ._grid.stationary import multigrid_solve as multigrid_solve
+from ._grid.stencil import StencilOperator as StencilOperator
+from ._grid.stencil import diffusion_operator as diffusion_operator
+from ._grid.stencil import stencil_operator as stencil_operator
+from ._krylov.bicgstab import bicgstab as bicgstab
+from ._krylov.cg import pcg as pcg
+from ._krylov.cg import pcg_linear_solve as pcg_linear_solve
+from ._krylov.gcrot import gcrot as gcrot
+from ._krylov.gmres import gmres as gmres
+from ._krylov.idrs import idrs as idrs
+from ._krylov.linear_solve import linear_solve as linear_solve
+from ._krylov.minres import minres as minres
+from ._krylov.recycling import RecycleSpace as RecycleSpace
+from ._nonlinear.newton import NewtonSolution as NewtonSolution
+from ._nonlinear.newton import newton_krylov as newton_krylov
+from ._precision.narrowing import mixed_precision as mixed_precision
+from ._precision.refinement import iterative_refinement as iterative_refinement
+from ._preconditioners.jacobi import block_jacobi as block_jacobi
+from ._preconditioners.jacobi import chebyshev as chebyshev
+from ._preconditioners.jacobi import estimate_spectrum as estimate_spectrum
+from ._preconditioners.jacobi import jacobi as jacobi
+from ._structured.block_tridiagonal import BlockTridiagonalFactors as BlockTridiagonalFactors
+from ._structured.block_tridiagonal import banded_solve as banded_solve
+from ._structured.block_tridiagonal import block_tridiagonal_factor as block_tridiagonal_factor
+from ._structured.block_tridiagonal import block_tridiagonal_solve as block_tridiagonal_solve
+from ._structured.block_tridiagonal import (
     block_tridiagonal_solve_factored as block_tridiagonal_solve_factored,
 )
-from ._block_tridiagonal import (
+from ._structured.block_tridiagonal import (
     cyclic_block_tridiagonal_solve as cyclic_block_tridiagonal_solve,
 )
-from ._cg import pcg as pcg
-from ._cg import pcg_linear_solve as pcg_linear_solve
-from ._comm import CollectiveReport as CollectiveReport
-from ._comm import count_collectives as count_collectives
-from ._gcrot import gcrot as gcrot
-from ._gmres import gmres as gmres
-from ._idrs import idrs as idrs
-from ._linear_solve import linear_solve as linear_solve
-from ._minres import minres as minres
-from ._multigrid import Multigrid as Multigrid
-from ._multigrid import multigrid as multigrid
-from ._newton import NewtonSolution as NewtonSolution
-from ._newton import newton_krylov as newton_krylov
-from ._parallel import shard_batch as shard_batch
-from ._parallel import shard_map as shard_map
-from ._partitioned import (
+from ._structured.partitioned import (
     partitioned_block_tridiagonal_solve as partitioned_block_tridiagonal_solve,
 )
-from ._partitioned import partitioned_tridiagonal_solve as partitioned_tridiagonal_solve
-from ._precision import mixed_precision as mixed_precision
-from ._precond import block_jacobi as block_jacobi
-from ._precond import chebyshev as chebyshev
-from ._precond import estimate_spectrum as estimate_spectrum
-from ._precond import jacobi as jacobi
-from ._recycle import RecycleSpace as RecycleSpace
-from ._reduce import InnerProduct as InnerProduct
-from ._refinement import iterative_refinement as iterative_refinement
-from ._solution import Solution as Solution
-from ._solution import Status as Status
-from ._stationary import multigrid_solve as multigrid_solve
-from ._stencil import StencilOperator as StencilOperator
-from ._stencil import diffusion_operator as diffusion_operator
-from ._stencil import stencil_operator as stencil_operator
-from ._tridiagonal import cyclic_tridiagonal_solve
-from ._tridiagonal import tridiagonal_solve as tridiagonal_solve
+from ._structured.partitioned import partitioned_tridiagonal_solve as partitioned_tridiagonal_solve
+from ._structured.tridiagonal import cyclic_tridiagonal_solve
+from ._structured.tridiagonal import tridiagonal_solve as tridiagonal_solve
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
-from solvax import _table  # noqa: E402
+from ._accounting import table  # noqa: E402
 
 
 def main() -> None:
@@ -26,15 +26,15 @@ def main() -> None:
     devices = min(8, len(jax.devices()))
     print(f"solvax communication table: jax {jax.__version__}, {devices} "
           f"{jax.devices()[0].platform.upper()} devices, 1-D mesh axis 'i'")
-    print(_table.MEANING)
+    print(table.MEANING)
     print()
     try:
-        rows = _table.measure(devices, cases=args.case)
+        rows = table.measure(devices, cases=args.case)
     except ValueError as e:  # an unknown case: say which there are
         parser.error(str(e))
-    print(_table.format_table(rows))
+    print(table.format_table(rows))
     if args.json:
-        _table.write_json(rows, args.json)
+        table.write_json(rows, args.json)
 
 
 if __name__ == "__main__":

@@ -19,24 +19,27 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._bicgstab import bicgstab
-from ._block_tridiagonal import block_tridiagonal_solve
-from ._cg import pcg
-from ._comm import count_collectives
-from ._gcrot import gcrot
-from ._gmres import gmres
-from ._idrs import idrs
-from ._linear_solve import linear_solve
-from ._minres import minres
-from ._multigrid import multigrid
-from ._newton import newton_krylov
-from ._parallel import shard_map
-from ._partitioned import partitioned_block_tridiagonal_solve, partitioned_tridiagonal_solve
-from ._precond import jacobi
-from ._refinement import iterative_refinement
-from ._stationary import multigrid_solve
-from ._stencil import diffusion_operator
-from ._tridiagonal import cyclic_tridiagonal_solve, tridiagonal_solve
+from .._core.parallel import shard_map
+from .._grid.multigrid import multigrid
+from .._grid.stationary import multigrid_solve
+from .._grid.stencil import diffusion_operator
+from .._krylov.bicgstab import bicgstab
+from .._krylov.cg import pcg
+from .._krylov.gcrot import gcrot
+from .._krylov.gmres import gmres
+from .._krylov.idrs import idrs
+from .._krylov.linear_solve import linear_solve
+from .._krylov.minres import minres
+from .._nonlinear.newton import newton_krylov
+from .._precision.refinement import iterative_refinement
+from .._preconditioners.jacobi import jacobi
+from .._structured.block_tridiagonal import block_tridiagonal_solve
+from .._structured.partitioned import (
+    partitioned_block_tridiagonal_solve,
+    partitioned_tridiagonal_solve,
+)
+from .._structured.tridiagonal import cyclic_tridiagonal_solve, tridiagonal_solve
+from .counter import count_collectives
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,10 +30,10 @@ def close(fn, *example_args) -> Closed:
     return Closed(*jax.closure_convert(fn, *example_args))
 
 
-def _apply_transposed(y, A):
+def apply_transposed(y, A):
     return jax.linear_transpose(A, y)(y)[0]
 
 
 def transposed(A: Closed) -> Closed:
     """`y -> A^T y` for a linear `A` (its leaves are `A`'s)."""
-    return Closed(_apply_transposed, (A,))
+    return Closed(apply_transposed, (A,))

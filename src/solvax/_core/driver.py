@@ -53,150 +53,15 @@ and add one entry to `tests/helpers.py::SOLVERS`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from . import _checks, _linearity, _reduce
-from . import _tree as tree
-from ._closure import Closed, close, transposed
-from ._solution import Solution, Status, code, make_solution
-
-PyTree = Any
-
-
-@jax.tree_util.register_pytree_node_class
-class Static:
-    """A concrete option (a Python or NumPy number) kept out of the traced
-    leaves: a tolerance given as a number stays a constant of every solve's
-    trace. A traced leaf would be an input of `custom_linear_solve`, which
-    inside `shard_map` under `grad(jit(...))` passes it on as a varying value
-    where the traced solve expects an invariant one ("mul requires varying
-    manual axes to match")."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def tree_flatten(self):
-        return (), self.value
-
-    @classmethod
-    def tree_unflatten(cls, value, _):
-        return cls(value)
-
-
-def as_option(value):
-    """`value` as a `Static` where it is a concrete number, else as it is."""
-    return value if isinstance(value, jax.Array | jax.core.Tracer) else Static(value)
-
-
-class Problem(NamedTuple):
-    """Everything a method reads: a pytree, every traced value a leaf.
-
-    `A` and `b` are differentiated; the rest does not change the solution.
-    Fields a method has no use for may be None.
-    """
-
-    A: Closed  # x -> A x
-    b: PyTree
-    x0: PyTree | None = None  # None: start from zero
-    precond: Closed | None = None  # r -> M r; None: the identity
-    rtol: Any = 0.0  # a traced scalar, or a `Static` number; `tolerances()` reads them
-    atol: Any = 0.0
-    ip: _reduce.Reduction | None = None
-    data: PyTree = None  # a method's own traced arguments (linear_solve: the user's solvers)
-
-    def real_dtype(self):
-        """The real dtype of the iteration (of `b`'s common dtype, at least float32)."""
-        return jnp.finfo(tree.result_dtype(self.b)).dtype
-
-    def size(self) -> int:
-        """Entries of `b` in all (static): inside `shard_map` the local size times
-        the devices along `axis_name`, so defaults that scale with the problem
-        (iteration limits, GMRES's basis size) are the same as under `jit`."""
-        return tree.size(self.b) * int(np.prod([jax.lax.psum(1, name)
-                                                for name in self.ip.reduced_axes()]))
-
-    def step_limit(self, max_steps: int | None) -> int:
-        """`max_steps`, by default `10 * size()`."""
-        return 10 * self.size() if max_steps is None else max_steps
-
-    def history(self, length: int, record: bool) -> jax.Array | None:
-        """A NaN-filled residual history of `length` (None unless recorded)."""
-        return jnp.full((length,), jnp.nan, self.real_dtype()) if record else None
-
-    def residual(self):
-        """`(x, r)` before an iteration: `(0, b)`, or `(x0, b - A x0)` (one matvec)."""
-        if self.x0 is None:
-            return tree.zeros_like(self.b), self.b
-        return self.x0, tree.sub(self.b, self.A(self.x0))
-
-    def settled(self, x, r, bb):
-        """`(x, r)` from `residual()`, with the answer exactly 0 where `b = 0`
-        (`bb = ||b||^2 = 0`), whatever `x0` (from zero: unchanged)."""
-        if self.x0 is None:
-            return x, r
-        zero_b = bb == 0
-        return tree.where(zero_b, tree.zeros_like(self.b), x), tree.where(zero_b, self.b, r)
-
-    def start(self, rtol, atol):
-        """`(x, r, tol2)` before an iteration: from zero, with `tol2 = inf`
-        (the first step's `<r, r>` is `||b||^2` and sets it, no reduction of
-        its own), or from `x0`, with one setup reduction for `||b||^2`;
-        `tol2 = max(atol, rtol ||b||)^2`."""
-        x, r = self.residual()
-        if self.x0 is None:
-            return x, r, jnp.asarray(jnp.inf, self.real_dtype())
-        bb = jnp.real(self.ip.dot(self.b, self.b))
-        x, r = self.settled(x, r, bb)
-        return x, r, squared_threshold(bb, rtol, atol)
-
-    def tolerances(self) -> tuple[jax.Array, jax.Array]:
-        """`(rtol, atol)` in `real_dtype()`."""
-        return option_value(self.rtol, self.real_dtype()), option_value(self.atol,
-                                                                        self.real_dtype())
-
-
-def option_value(value, dtype) -> jax.Array:
-    """A tolerance (a `Static` number or a traced scalar) as a `dtype` scalar."""
-    return jnp.asarray(value.value if isinstance(value, Static) else value, dtype)
-
-
-def invalid_tolerances(rtol, atol) -> jax.Array:
-    """A traced `rtol` or `atol` that is negative, NaN or infinite (concrete
-    ones are refused at trace time)."""
-    return ~(rtol >= 0) | ~(atol >= 0) | (rtol == jnp.inf) | (atol == jnp.inf)
-
-
-def threshold(bb, rtol, atol):
-    """The stopping threshold `max(atol, rtol ||b||)` from `bb = ||b||^2`."""
-    return jnp.maximum(atol, rtol * _reduce.real_sqrt(bb))
-
-
-def squared_threshold(bb, rtol, atol):
-    """`threshold(bb, rtol, atol)^2` (no square root)."""
-    return jnp.maximum(atol * atol, rtol * rtol * bb)
-
-
-class Outcome(NamedTuple):
-    """What a method returns; `finish` makes it a `Solution`."""
-
-    x: PyTree
-    status: jax.Array  # RUNNING, CONVERGED (by the method's own test) or a breakdown
-    iterations: jax.Array
-    history: jax.Array | None = None
-    # (||b - A x||, max(atol, rtol ||b||), ||x||) when the method measured them itself
-    residual: tuple[jax.Array, jax.Array, jax.Array] | None = None
-    recycle: PyTree = None  # gcrot: the space for the next solve (scale-free: A U = C)
-
-
-class Method(NamedTuple):
-    name: str
-    run: Callable[..., Outcome]  # run(problem, **static options)
-
+from . import checks, reduce, tree
+from .contract import Method, Outcome, Problem, invalid_tolerances, threshold
+from .implicit import FAILED_DERIVATIVES, implicit_solve
+from .solution import Solution, Status, code, make_solution
+from .validation import check_reduced_over, make_problem
 
 #: Every registered method by name (`tests/test_driver.py` checks each).
 REGISTRY: dict[str, Method] = {}
@@ -207,125 +72,13 @@ def register(method: Method) -> Method:
     return method
 
 
-def default_rtol(b) -> float:
-    """`max(1e-8, 100 eps)` for the least precise leaf of `b`: 1e-8 in float64,
-    1.2e-5 in float32 (a float32 leaf limits the accuracy of the whole solve)."""
-    return max([1e-8] + [100 * float(jnp.finfo(leaf.dtype).eps)
-                         for leaf in jax.tree_util.tree_leaves(b)])
-
-
-def make_problem(matvec, b, *, x0=None, precond=None, rtol=0.0, atol=0.0, inner_product=None,
-                 axis_name=None) -> Problem:
-    """The validated, closure-converted problem (see the module docstring, 1-2)."""
-    _checks.check_vector("b", b)
-    _checks.check_precision("b", b)
-    _checks.check_callable("matvec", matvec)
-    b = _checks.strong(b)
-    if x0 is not None:
-        _checks.check_like("x0", x0, "b", b)
-        x0 = _checks.strong(x0)
-    rtol = checked_tolerances(rtol, atol, b)
-    ip = resolved_inner_product(inner_product, axis_name, b)
-    return Problem(A=closed_operator("matvec", matvec, b, linear=True), b=b, x0=x0,
-                   precond=None if precond is None else closed_operator("precond", precond, b),
-                   rtol=as_option(rtol), atol=as_option(atol), ip=ip)
-
-
-def checked_tolerances(rtol, atol, like):
-    """`rtol` (its default for `like`'s precision when None), both tolerances
-    checked where concrete."""
-    rtol = default_rtol(like) if rtol is None else rtol
-    _checks.check_tolerance("rtol", rtol)
-    _checks.check_tolerance("atol", atol)
-    return rtol
-
-
-def resolved_inner_product(inner_product, axis_name, like) -> _reduce.Reduction:
-    """The `inner_product=`/`axis_name=` options as a reduction, closed over
-    vectors like `like` and checked (`check_inner_product`)."""
-    ip = _reduce.resolve(inner_product, axis_name)
-    with _checks.failures_named("inner_product"):
-        ip = ip.closed(like)
-    check_inner_product(ip, like)
-    return ip
-
-
-def closed_operator(name: str, fn, b, arg: str = "b", linear: bool = False) -> Closed:
-    """`fn` as a `Closed`, its output checked against `b` and, with `linear`,
-    its program checked linear in its argument (`_linearity`), both on one
-    trace of the converted function (the user's function is traced once);
-    `arg`: `b`'s name in errors."""
-    _checks.check_callable(name, fn)
-    with _checks.failures_named(name):
-        A = close(fn, b)
-    program, out = jax.make_jaxpr(A, return_shape=True)(b)
-    _checks.check_like(f"{name}({arg})", out, arg, b)
-    if linear:
-        _linearity.check_linear(name, program)
-    return A
-
-
-def check_inner_product(ip: _reduce.Reduction, b) -> None:
-    """Weights shaped like `b` and positive; a callable product (closed: its
-    function is not traced again here) returns a scalar; `axis_name` names
-    axes of the enclosing `shard_map`."""
-    if isinstance(ip, _reduce.InnerProduct):
-        if ip.weight is not None:
-            _checks.check_shapes_like("inner_product.weight", ip.weight, "b", b)
-            _checks.check_positive("inner_product.weight", ip.weight)
-        _check_axes_bound(ip.reduced_axes())
-        return
-    out = jax.eval_shape(ip.fn, b, b)
-    if jax.tree_util.tree_structure(out).num_leaves != 1 or jnp.shape(out) != ():
-        raise ValueError("`inner_product(x, y)` must return a scalar; on vectors shaped like "
-                         f"`b` it returns {jax.tree_util.tree_map(jnp.shape, out)}. Reduce "
-                         "over every entry (e.g. `jnp.sum(jnp.conj(x) * w * y)`).")
-
-
-def check_reduced_over(name: str, op, problem: Problem) -> None:
-    """An operator that communicates over a mesh axis (a halo exchange inside
-    `shard_map`) couples the shards, so the inner products must reduce over
-    that axis too: otherwise every shard decides convergence on its own piece,
-    the shards' loops run different numbers of steps and the operator's
-    collectives never match (a hang)."""
-    communicated = _reduce.axes_communicated(jax.make_jaxpr(op)(problem.b).jaxpr)
-    missing = communicated - set(problem.ip.reduced_axes())
-    if not missing:
-        return
-    axis = sorted(missing)[0]
-    if isinstance(problem.ip, _reduce.InnerProduct):
-        raise ValueError(
-            f"`{name}` communicates over the mesh axes {sorted(missing)} (inside `shard_map`), "
-            f"but the inner products do not reduce over them: every shard would solve its "
-            f"own piece. Pass `axis_name={axis!r}` (or an `InnerProduct` with that "
-            "`axis_name`).")
-    raise ValueError(
-        f"`{name}` communicates over the mesh axes {sorted(missing)} (inside `shard_map`), but "
-        f"the callable `inner_product` does not reduce over them: each shard would decide "
-        f"convergence on its own piece and the solve would hang. Sum over the axis in the "
-        f"product, e.g. `lambda x, y: jax.lax.psum(jnp.sum(jnp.conj(x) * y), {axis!r})`, or "
-        f"use the default product with `axis_name={axis!r}`.")
-
-
-def _check_axes_bound(axes: tuple) -> None:
-    """Each of `axes` is an axis of the `shard_map` this call runs in."""
-    for name in axes:
-        try:
-            jax.eval_shape(lambda name=name: jax.lax.psum(1, name))
-        except NameError as e:
-            raise ValueError(
-                f"`axis_name` {name!r} is not an axis of an enclosing `shard_map` ({e}). "
-                "Pass the mesh axis the vectors are split over, from inside `shard_map`; "
-                "under plain `jit` leave `axis_name` unset.") from e
-
-
 def solve(method: Method, matvec, b, /, *, x0, precond, rtol, atol, inner_product, axis_name,
           failed_derivative="nan", data=None, adjoint_data=None, **options) -> Solution:
     """`method` on `A x = b`, validated, differentiable and finished (1-4 above);
     `data`: the method's own traced arguments (`Problem.data`); `adjoint_data`:
     `Solution -> data` of the transposed solve from the primal one (`gcrot`
     hands its recycled space on), else the transposed solve gets `data`."""
-    _checks.check_choice("failed_derivative", failed_derivative, FAILED_DERIVATIVES)
+    checks.check_choice("failed_derivative", failed_derivative, FAILED_DERIVATIVES)
     options = _common_options(options)
     problem = make_problem(matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                            inner_product=inner_product, axis_name=axis_name)
@@ -343,9 +96,9 @@ def _common_options(options: dict) -> dict:
     """The options several methods share, checked here once: `max_steps` a
     non-negative int (or None), `record_history` a bool."""
     if options.get("max_steps") is not None:
-        _checks.check_int("max_steps", options["max_steps"], 0)
+        checks.check_int("max_steps", options["max_steps"], 0)
     if "record_history" in options:
-        options = {**options, "record_history": _checks.check_flag(
+        options = {**options, "record_history": checks.check_flag(
             "record_history", options["record_history"])}
     return options
 
@@ -402,7 +155,7 @@ def finish(problem: Problem, outcome: Outcome, name: str, scale=None) -> Solutio
             # ||b|| and ||x|| ride along in the same reduction.
             rr, bb, xx = jnp.real(problem.ip.multi_dot([(r, r), (problem.b, problem.b),
                                                          (outcome.x, outcome.x)]))
-        norm, xnorm = _reduce.real_sqrt(rr), _reduce.real_sqrt(xx)
+        norm, xnorm = reduce.real_sqrt(rr), reduce.real_sqrt(xx)
         tol = threshold(bb, *problem.tolerances())
     else:
         norm, tol, xnorm = outcome.residual
@@ -425,116 +178,3 @@ def _judged_tolerances(problem: Problem, sol: Solution) -> Solution:
     rtol, atol = problem.tolerances()
     status = jnp.where(invalid_tolerances(rtol, atol), code(Status.INVALID_TOLERANCE), sol.status)
     return sol._replace(status=status, converged=status == code(Status.CONVERGED))
-
-
-# ----------------------------------------------------------- differentiation
-def solution_of(out) -> PyTree:
-    return out.x if isinstance(out, Solution) else out
-
-
-def _diagnostics_as_reals(out):
-    """Integer and boolean diagnostics cast to the residual's real dtype (exact
-    for statuses, and for iteration counts up to 2^24 in float32, 2^53 in
-    float64), so every output of the custom derivative has a plain zero
-    tangent. Integer outputs would need `float0` tangents, whose avals jax 0.6
-    compares with the primal's sharding included (a sharded solve's gradient
-    then fails its shape/dtype check)."""
-    if not isinstance(out, Solution):
-        return out
-    real = out.residual_norm.dtype
-    return out._replace(status=out.status.astype(real), converged=out.converged.astype(real),
-                        iterations=out.iterations.astype(real))
-
-
-def _diagnostics_restored(out):
-    if not isinstance(out, Solution):
-        return out
-    return out._replace(status=out.status.astype(np.int32), converged=out.converged != 0,
-                        iterations=out.iterations.astype(np.int32))
-
-
-FAILED_DERIVATIVES = ("nan", "keep")
-
-
-def solved_ok(out):
-    """`(out, ok)` for a solver that reports through a `Solution` (ok: converged)
-    or returns a bare pytree (no status: ok)."""
-    return out, (out.converged if isinstance(out, Solution) else jnp.bool_(True))
-
-
-def solution_checked(out_ok, failed_derivative: str):
-    """The solution of `(out, ok)`; NaN where its solve failed (`"nan"`), so a
-    finite derivative is a correct one."""
-    out, ok = out_ok
-    x = solution_of(out)
-    if failed_derivative == "keep":
-        return x
-    ok = ok.astype(jnp.bool_)
-    return jax.tree_util.tree_map(lambda leaf: jnp.where(ok, leaf, jnp.nan), x)
-
-
-def implicit_solve(problem: Problem, run, run_transposed, failed_derivative: str = "nan",
-                   adjoint_data=None):
-    """`run(problem)` with derivatives defined implicitly.
-
-    `run(problem)` returns `(out, ok)`: a `Solution` (diagnostics kept) or the
-    solution pytree, and whether the solve succeeded by its own test (for a
-    Krylov method the iteration's test, so that judging a derivative's solve
-    costs no reduction; see `_run_and_finish`);
-    `run_transposed(problem with A^T and another b)` solves the
-    transposed system. Both read every traced value from their argument, so
-    the primal solve is traced once and the transposed solve only when a
-    derivative asks for it. `A` and `b` are differentiated; the rest of the
-    problem (initial guess, preconditioner, weights) is not: the solution does
-    not depend on it. Diagnostics stay outside `custom_linear_solve`, so inside
-    `shard_map` they keep their own (invariant) type.
-
-    `A^T` is always `jax.linear_transpose(A)`, never `A` itself, even for a
-    symmetric operator: a second derivative differentiates the transposed
-    solve, and along a perturbation of `A`'s parameters that is not symmetric
-    `d(A^T) = (dA)^T != dA` (with `A` standing for `A^T`, the Hessian of a
-    solve with respect to the entries of a symmetric matrix is 91-97 % wrong:
-    the Hessian tests in `tests/test_grad.py`). A primal, tangent
-    or transposed solve that did not converge makes the derivative NaN unless
-    `failed_derivative="keep"`. `adjoint_data(primal Solution)`, if given,
-    replaces `Problem.data` in the transposed solve (what the primal solve
-    learned about the operator, e.g. a recycled space).
-    """
-
-    @jax.custom_jvp
-    def solve_(A, b, rest):
-        out, ok = run(Problem(A, b, *rest))
-        out = _diagnostics_as_reals(out)
-        return out, ok.astype(jnp.finfo(tree.result_dtype(out)).dtype)
-
-    @solve_.defjvp
-    def solve_jvp(primals, tangents):
-        A, b, rest = primals
-        dA, db, _ = tangents
-        # The primal solve, traced once and used for the tangent solve too; as a call
-        # of `solve_` itself, so higher derivatives use this rule again instead of
-        # differentiating through the iteration.
-        primal = close(lambda r: solve_(A, r, rest), b)
-        out, ok = primal(b)
-        x = solution_of(out)
-        _, dA_x = jax.jvp(lambda A: A(x), (A,), (dA,))
-        At = transposed(A)
-        rest_t = rest
-        if adjoint_data is not None and isinstance(out, Solution):
-            rest_t = Problem(A, b, *rest)._replace(data=adjoint_data(out))[2:]
-        dx = jax.lax.custom_linear_solve(
-            A, tree.sub(db, dA_x),
-            lambda _, r: solution_checked(primal(r), failed_derivative),
-            lambda _, r: solution_checked(run_transposed(Problem(At, r, *rest_t)),
-                                           failed_derivative))
-        if failed_derivative == "nan":  # nor of a primal that failed (its x may be 0)
-            factor = jnp.where(ok > 0, 1, jnp.nan)
-            dx = jax.tree_util.tree_map(lambda leaf: leaf * factor.astype(leaf.dtype), dx)
-        if isinstance(out, Solution):
-            dout = jax.tree_util.tree_map(jnp.zeros_like, out)._replace(x=dx)
-        else:
-            dout = dx
-        return (out, ok), (dout, jnp.zeros_like(ok))
-
-    out, _ = solve_(problem.A, problem.b, tuple(problem[2:]))
-    return _diagnostics_restored(out)

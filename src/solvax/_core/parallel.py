@@ -9,7 +9,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from . import _checks
+from . import checks
 
 
 def shard_map(f: Callable, *, mesh: Mesh, in_specs, out_specs, check: bool = True) -> Callable:
@@ -50,7 +50,7 @@ def _ranks(name: str, rank) -> tuple[list[int], bool]:
     many = isinstance(rank, Sequence)
     ranks = list(rank) if many else [rank]
     for r in ranks:
-        _checks.check_int(name, r, 1)
+        checks.check_int(name, r, 1)
     return ranks, many
 
 

@@ -25,10 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _checks, _dense
-from . import _tree as tree
-from ._closure import close
-from ._dense import PRECISION
+from . import checks, dense, tree
+from .closure import close
+from .dense import PRECISION
 
 PyTree = Any
 Pair = tuple[PyTree, PyTree]
@@ -143,7 +142,7 @@ def power_of_two_below(value: jax.Array) -> jax.Array:
     XLA:CPU, which fuses elementwise chains into their consumers without
     sharing, compiled the IDR(s) adjoint for minutes instead of seconds."""
     dtype = value.dtype
-    limits = jnp.finfo(jnp.float32 if _dense.emulated(dtype) else dtype)
+    limits = jnp.finfo(jnp.float32 if dense.emulated(dtype) else dtype)
     tiny = jnp.asarray(limits.tiny, dtype)
     value = jnp.maximum(value, tiny)
     exponent = jnp.clip(jnp.floor(jnp.log2(value)), limits.minexp, limits.maxexp - 1)
@@ -173,7 +172,7 @@ class InnerProduct(Reduction):
     """
 
     def __init__(self, *, axis_name: str | tuple[str, ...] | None = None, weight: PyTree = None):
-        _checks.check_axis_name(axis_name)
+        checks.check_axis_name(axis_name)
         self.axis_name = axis_name
         self.weight = weight
 

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._dense import PRECISION
+from .dense import PRECISION
 
 PyTree = Any
 MatVec = Callable[[PyTree], PyTree]

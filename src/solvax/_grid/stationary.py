@@ -15,12 +15,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import _checks, _driver, _method
-from . import _tree as tree
-from ._driver import Outcome, Problem
-from ._multigrid import Multigrid, multigrid
-from ._solution import RUNNING, Solution, Status, first_status
-from ._stencil import StencilOperator
+from .._core import checks, contract, driver, tree
+from .._core.contract import Outcome, Problem
+from .._core.solution import RUNNING, Solution, Status, first_status
+from .._krylov import steps
+from .multigrid import Multigrid, multigrid
+from .stencil import StencilOperator
 
 PyTree = Any
 
@@ -84,7 +84,7 @@ def _run(problem: Problem, *, max_steps: int | None, record_history: bool,
             bb, rr = jnp.real(ip.multi_dot([(problem.b, problem.b), (r, r)]))
             x, r = problem.settled(x, r, bb)
             rr = jnp.where(bb == 0, 0, rr)
-    tol2 = _driver.squared_threshold(bb, rtol, atol)
+    tol2 = contract.squared_threshold(bb, rtol, atol)
     history = problem.history(max_steps + 1, record_history)
     if history is not None:
         history = history.at[0].set(jnp.sqrt(rr))
@@ -93,7 +93,7 @@ def _run(problem: Problem, *, max_steps: int | None, record_history: bool,
     st = _State(x=x, r=r, rr=rr, best=rr, stalls=jnp.int32(0), k=jnp.int32(0),
                 status=status, history=history)
     ctx = _Context(A=problem.A, M=M, tol2=tol2, max_steps=max_steps, patience=patience)
-    st = _method.while_loop(ip, problem.b,
+    st = steps.while_loop(ip, problem.b,
                             lambda st: (st.status == RUNNING) & (st.k < ctx.max_steps),
                             functools.partial(_cycle, ctx=ctx, ip=ip), st)
     return Outcome(x=st.x, status=st.status, iterations=st.k, history=st.history)
@@ -103,7 +103,7 @@ def _run(problem: Problem, *, max_steps: int | None, record_history: bool,
 # black-box operators without a preconditioner: the iteration needs a cycle
 # that contracts (tests/test_multigrid_solve.py runs the same checks on
 # stencil operators with their multigrid).
-STATIONARY = _driver.Method("stationary", _run)
+STATIONARY = contract.Method("stationary", _run)
 
 
 def multigrid_solve(
@@ -176,8 +176,8 @@ def multigrid_solve(
     elif not isinstance(precond, Multigrid):
         raise TypeError("`precond` must be a `Multigrid` (from `sx.multigrid(operator, ...)`) "
                         f"or None; got {type(precond).__name__}.")
-    max_cycles = _checks.check_int("max_cycles", max_cycles, 0)
-    return _driver.solve(STATIONARY, operator, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
+    max_cycles = checks.check_int("max_cycles", max_cycles, 0)
+    return driver.solve(STATIONARY, operator, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, max_steps=max_cycles,
                          record_history=record_history)

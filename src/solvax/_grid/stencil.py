@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks
+from .._core import checks
 
 BOUNDARIES = ("dirichlet", "neumann", "periodic")
 _PAD_MODE = {"neumann": "edge", "periodic": "wrap"}
@@ -82,7 +82,7 @@ class StencilOperator:
         for o, c in self.stored.items():
             if any(o):
                 back = tuple(-v for v in o)
-                full[back] = _shifts(jnp.broadcast_to(c, self.shape), [back], closed,
+                full[back] = shift_all(jnp.broadcast_to(c, self.shape), [back], closed,
                                      self.axis_names)[0]
         return full
 
@@ -99,7 +99,7 @@ class StencilOperator:
         x = x.astype(dtype)
         if self.symmetric:
             return self._symmetric_product(x)
-        shifts = _shifts(x, list(self.stored), self.boundary, self.axis_names)
+        shifts = shift_all(x, list(self.stored), self.boundary, self.axis_names)
         y = None
         for k, coefficient in enumerate(self.stored.values()):
             term = coefficient * shifts[k]
@@ -114,7 +114,7 @@ class StencilOperator:
         direction, as the full stencil's shifts of `x` do."""
         closed = self._closed()
         offsets = [o for o in self.stored if any(o)]
-        shifts = _shifts(x, offsets, closed, self.axis_names)
+        shifts = shift_all(x, offsets, closed, self.axis_names)
         y = self.stored.get((0,) * self.ndim, 0.0) * x
         for o, shifted in zip(offsets, shifts):
             y = y + self.stored[o] * shifted
@@ -149,7 +149,7 @@ def stored_half(offset: tuple) -> bool:
     return first > 0
 
 
-def _shifts(x, offsets: list, boundary: tuple, axis_names: tuple) -> list:
+def shift_all(x, offsets: list, boundary: tuple, axis_names: tuple) -> list:
     """`[x[i + o] for each offset o]`, each built from unit shifts along one
     axis at a time (memoized: `(2, 0)` is `(1, 0)` shifted once more). A unit
     shift pads one side of its axis by one (zero, edge or wrap) and slices:
@@ -165,7 +165,7 @@ def _shifts(x, offsets: list, boundary: tuple, axis_names: tuple) -> list:
             axis = max(a for a, o in enumerate(offset) if o)
             step = 1 if offset[axis] > 0 else -1
             previous = tuple(o - step if a == axis else o for a, o in enumerate(offset))
-            memo[offset] = _unit_shift(shifted(previous), axis, step, boundary[axis],
+            memo[offset] = unit_shift(shifted(previous), axis, step, boundary[axis],
                                        axis_names[axis])
         return memo[offset]
 
@@ -184,14 +184,14 @@ def _placed(terms: dict, boundary: tuple, axis_names: tuple):
         for o, term in groups.items():   # `o`: the offset's first `axis + 1` components
             if o[axis]:
                 along = tuple(o[axis] if a == axis else 0 for a in range(ndim))
-                term = _shifts(term, [along], boundary, axis_names)[0]
+                term = shift_all(term, [along], boundary, axis_names)[0]
             key = o[:axis]
             merged[key] = term if key not in merged else merged[key] + term
         groups = merged
     return groups[()]
 
 
-def _unit_shift(x, axis: int, step: int, kind: str, name=None):
+def unit_shift(x, axis: int, step: int, kind: str, name=None):
     """`x[i + step]` along `axis` (`step` = +1 or -1), outside the grid as `kind`
     says; `name`: the mesh axis that splits the grid axis into the blocks of
     a `shard_map` (the halo then comes from the neighbour). Dirichlet: one
@@ -214,7 +214,7 @@ def _unit_shift(x, axis: int, step: int, kind: str, name=None):
 
 
 def _halo_shift(x, axis: int, step: int, kind: str, name):
-    """`_unit_shift` of a block inside `shard_map`: the face this block lacks is
+    """`unit_shift` of a block inside `shard_map`: the face this block lacks is
     its neighbour's, sent by one `ppermute` over `name`; at the grid's ends
     (the first and last blocks) it is zero (a block with no sender receives
     zeros), the block's own edge (Neumann) or the wrapped block's (periodic)."""
@@ -340,7 +340,7 @@ def _boundaries(boundary, ndim: int) -> tuple:
         raise ValueError(f"`boundary` must be one name or {ndim} (one per axis); got "
                          f"{boundary!r}.")
     for name in names:
-        _checks.check_choice("boundary", name, BOUNDARIES)
+        checks.check_choice("boundary", name, BOUNDARIES)
     return names
 
 
@@ -448,17 +448,17 @@ def _face_coefficients(kc, axis: int, boundary: str, name=None) -> dict:
     neighbour's on side +1 (the mean is symmetric in its two cells, so both
     cells get the same number), shifted in."""
     kind = "periodic" if boundary == "periodic" else "dirichlet"
-    neighbour = _unit_shift(kc, axis, 1, kind, name)
+    neighbour = unit_shift(kc, axis, 1, kind, name)
     plus = 2 * kc * neighbour / (kc + neighbour)
-    minus = _unit_shift(plus, axis, -1, kind, name)
+    minus = unit_shift(plus, axis, -1, kind, name)
     if boundary == "periodic":
         return {1: plus, -1: minus}
     outside = 2 * kc if boundary == "dirichlet" else jnp.zeros_like(kc)
-    return {side: jnp.where(_edge_mask(kc.shape, axis, side, name), outside, mean)
+    return {side: jnp.where(edge_mask(kc.shape, axis, side, name), outside, mean)
             for side, mean in ((1, plus), (-1, minus))}
 
 
-def _edge_mask(shape: tuple, axis: int, side: int, name=None):
+def edge_mask(shape: tuple, axis: int, side: int, name=None):
     """True at the cells whose `side` face on `axis` is the grid's edge."""
     if name is not None:
         index, n = global_index(shape, axis, name)
@@ -473,4 +473,4 @@ def _interior(shape: tuple, axis: int, side: int, boundary: str, name=None):
     wrapped), 0 at the edge: the off-diagonal entry there couples to nothing."""
     if boundary == "periodic":
         return 1.0
-    return jnp.where(_edge_mask(shape, axis, side, name), 0.0, 1.0)
+    return jnp.where(edge_mask(shape, axis, side, name), 0.0, 1.0)

@@ -9,11 +9,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import _checks, _driver, _method, _reduce
-from . import _tree as tree
-from ._driver import Outcome, Problem
-from ._method import negligible, nonzero
-from ._solution import RUNNING, Solution, Status, first_status
+from .._core import checks, contract, driver, reduce, tree
+from .._core.contract import Outcome, Problem
+from .._core.solution import RUNNING, Solution, Status, first_status
+from . import steps
+from .steps import negligible, nonzero
 
 PyTree = Any
 
@@ -41,7 +41,7 @@ class _State(NamedTuple):
 class _Context(NamedTuple):
     A: Callable
     M: Callable
-    ip: _reduce.Reduction
+    ip: reduce.Reduction
     tol2: jax.Array  # max(atol, rtol ||b||)^2
     max_steps: int
 
@@ -67,8 +67,8 @@ def _step(st: _State, ctx: _Context) -> _State:
     with jax.named_scope("solvax.bicgstab.reduce"):
         rv, rr, vv = ctx.ip.multi_dot([(st.shadow, v), (st.r, st.r), (v, v)])
     rr, vv = jnp.real(rr), jnp.real(vv)
-    history = None if st.history is None else st.history.at[st.k].set(_reduce.real_sqrt(rr))
-    norm = _reduce.real_sqrt
+    history = None if st.history is None else st.history.at[st.k].set(reduce.real_sqrt(rr))
+    norm = reduce.real_sqrt
     lost_alpha = negligible(rv, st.shadow_norm, norm(vv))  # <r0, A M p> ~ 0
     # a lost alpha is not applied: s = r, and the step leaves x and r as they are
     alpha = jnp.where(lost_alpha, jnp.zeros_like(rv), st.rho / nonzero(rv))
@@ -123,7 +123,7 @@ def _restart(st: _State) -> _State:
     zeros = tree.zeros_like(st.r)
     one = jnp.ones_like(st.rho)
     return st._replace(p=zeros, v=zeros, rho=st.rr.astype(st.rho.dtype), rho_prev=one,
-                       alpha=one, omega=one, shadow=st.r, shadow_norm=_reduce.real_sqrt(st.rr),
+                       alpha=one, omega=one, shadow=st.r, shadow_norm=reduce.real_sqrt(st.rr),
                        start=st.k, pending=jnp.zeros_like(st.pending), go=jnp.ones_like(st.go))
 
 
@@ -218,13 +218,13 @@ def _one_sync_step(st: _OneSyncState, ctx: _Context) -> _OneSyncState:
              (st.w, st.w), (st.w, st.q), (st.q, st.q), (st.r, st.v), (st.v, st.v)])
     (rr, r0r, r0v, r0w, r0q, wr, wv, qr, qv, ww, wq, qq, rv, vv) = products
     rr, ww, qq, vv = (jnp.real(a) for a in (rr, ww, qq, vv))
-    history = None if st.history is None else st.history.at[st.k].set(_reduce.real_sqrt(rr))
+    history = None if st.history is None else st.history.at[st.k].set(reduce.real_sqrt(rr))
     alpha, a2, omega, beta, rho_next, ss, tt, ts = _one_sync_coefficients(
         rr, r0r, r0v, r0w, r0q, wr, wv, qr, qv, ww, wq, qq, rv, vv)
     done, limit = rr <= ctx.tol2, st.k >= ctx.max_steps
     finite = jnp.isfinite(rr) & jnp.isfinite(jnp.abs(r0v)) & jnp.isfinite(tt) & jnp.isfinite(
         jnp.abs(ts))
-    norm = _reduce.real_sqrt
+    norm = reduce.real_sqrt
     start_rr = jnp.where(st.k == st.start, rr, st.start_rr)  # <r0, r0>
     lost_alpha = negligible(r0v, norm(start_rr), norm(vv))
     lost_omega = (tt == 0) | negligible(ts, norm(tt), norm(ss))
@@ -298,7 +298,7 @@ def _run_one_sync(problem: Problem, ctx: _Context, x, r, history) -> Outcome:
                           pending=jnp.bool_(False))
     with jax.named_scope("solvax.bicgstab.setup"):
         state = _one_sync_from(state, ctx, x, r)
-    state = _method.confirmed_rounds(
+    state = steps.confirmed_rounds(
         problem.ip, problem.b, state, checks=lambda st: st, going=lambda st: st.go,
         step=functools.partial(_one_sync_step, ctx=ctx),
         restart=functools.partial(_one_sync_restart, ctx=ctx, b=problem.b))
@@ -319,7 +319,7 @@ def _run(problem: Problem, *, method: str, max_steps: int | None,
     rtol, atol = problem.tolerances()
     with jax.named_scope("solvax.bicgstab.setup"):
         x, r, rr, bb = _start(problem)
-    tol2 = _driver.squared_threshold(bb, rtol, atol)
+    tol2 = contract.squared_threshold(bb, rtol, atol)
     ctx = _Context(A=problem.A, M=problem.precond or (lambda v: v), ip=problem.ip, tol2=tol2,
                    max_steps=max_steps)
     if method == "one_sync":
@@ -329,16 +329,16 @@ def _run(problem: Problem, *, method: str, max_steps: int | None,
                    rho_prev=one, alpha=one, omega=one, k=jnp.int32(0), go=jnp.bool_(True),
                    status=jnp.int32(RUNNING), history=problem.history(max_steps + 1,
                                                                       record_history),
-                   shadow=r, shadow_norm=_reduce.real_sqrt(rr), rr=rr, start=jnp.int32(0),
+                   shadow=r, shadow_norm=reduce.real_sqrt(rr), rr=rr, start=jnp.int32(0),
                    pending=jnp.bool_(False))
     # steps in rounds, each after a restart where the last one asked for it
-    state = _method.confirmed_rounds(problem.ip, problem.b, state, checks=lambda st: st,
+    state = steps.confirmed_rounds(problem.ip, problem.b, state, checks=lambda st: st,
                                      going=lambda st: st.go,
                                      step=functools.partial(_step, ctx=ctx), restart=_restart)
     return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history)
 
 
-BICGSTAB = _driver.register(_driver.Method("bicgstab", _run))
+BICGSTAB = driver.register(contract.Method("bicgstab", _run))
 
 
 def bicgstab(
@@ -419,8 +419,8 @@ def bicgstab(
     variant of Bi-CG for the solution of nonsymmetric linear systems", SIAM J.
     Sci. Stat. Comput. 13 (1992).
     """
-    _checks.check_choice("method", method, METHOD_NAMES)
-    return _driver.solve(BICGSTAB, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
+    checks.check_choice("method", method, METHOD_NAMES)
+    return driver.solve(BICGSTAB, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, method=method,
                          max_steps=max_steps,

@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _checks, _driver, _gmres, _recycle
-from . import _tree as tree
-from ._driver import Outcome, Problem
-from ._recycle import RecycleSpace
-from ._solution import Solution
+from .._core import checks, contract, driver, tree
+from .._core.contract import Outcome, Problem
+from .._core.solution import Solution
+from . import gmres, recycling
+from .arnoldi import make_arnoldi
+from .recycling import RecycleSpace
 
 PyTree = Any
 
@@ -28,26 +29,26 @@ def space_size(size: int, m: int = M, k: int = K) -> int:
 
 def _run(problem: Problem, *, m: int, k: int, max_restarts: int | None,
          record_history: bool) -> Outcome:
-    """The GCRO-DR iteration: `_gmres.restarted` with a recycled space ahead
+    """The GCRO-DR iteration: `gmres.restarted` with a recycled space ahead
     of each cycle's basis, renewed from each cycle's harmonic Ritz vectors."""
     b = problem.b
     k = space_size(problem.size(), m, k)
-    m, max_restarts = _gmres._options(problem.size(), m, max_restarts)
+    m, max_restarts = gmres.cycle_sizes(problem.size(), m, max_restarts)
     given = problem.data
-    space = (_recycle.empty(b, k) if given is None
-             else _recycle.refreshed(problem.A, problem.ip, RecycleSpace(*given)))
-    arnoldi = _gmres._arnoldi(problem.A, b, precond=problem.precond, ip=problem.ip, m=m,
-                              orthogonalization="one_sync", offset=k)
+    space = (recycling.empty(b, k) if given is None
+             else recycling.refreshed(problem.A, problem.ip, RecycleSpace(*given)))
+    arnoldi = make_arnoldi(problem.A, b, precond=problem.precond, ip=problem.ip, m=m,
+                            orthogonalization="one_sync", offset=k)
 
     def renew(V, Z, H, est, old, go, E, D):
-        return _recycle.harmonic_space(problem.ip, V, Z, H, est.j, k, old, go, E, D)
+        return recycling.harmonic_space(problem.ip, V, Z, H, est.j, k, old, go, E, D)
 
-    outcome = _gmres.restarted(problem, arnoldi, m=m, max_restarts=max_restarts,
+    outcome = gmres.restarted(problem, arnoldi, m=m, max_restarts=max_restarts,
                                record_history=record_history, space=space, renew=renew)
     return outcome._replace(recycle=RecycleSpace(*outcome.recycle))
 
 
-GCROT = _driver.register(_driver.Method("gcrot", _run))
+GCROT = driver.register(contract.Method("gcrot", _run))
 
 
 def gcrot(
@@ -139,18 +140,18 @@ def gcrot(
     Maiti, "Recycling Krylov subspaces for sequences of linear systems",
     SIAM J. Sci. Comput. 28 (2006).
     """
-    _checks.check_int("m", m, 2)
-    _checks.check_int("k", k, 1)
+    checks.check_int("m", m, 2)
+    checks.check_int("k", k, 1)
     if k >= m:
         raise ValueError(f"`k` ({k}) must be smaller than `m` ({m}): the recycled space is "
                          "deflated from cycles of `m` new steps (e.g. m=30, k=10).")
     if max_restarts is not None:
-        _checks.check_int("max_restarts", max_restarts, 0, _checks.INT32_MAX // m)
-    adjoint_recycle = _checks.check_flag("adjoint_recycle", adjoint_recycle)
-    _checks.check_vector("b", b)
+        checks.check_int("max_restarts", max_restarts, 0, checks.INT32_MAX // m)
+    adjoint_recycle = checks.check_flag("adjoint_recycle", adjoint_recycle)
+    checks.check_vector("b", b)
     if recycle is not None:
-        recycle = _recycle.checked(recycle, b, space_size(tree.size(b), m, k))
-    return _driver.solve(GCROT, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
+        recycle = recycling.checked(recycle, b, space_size(tree.size(b), m, k))
+    return driver.solve(GCROT, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, data=recycle,
                          adjoint_data=(lambda out: out.recycle) if adjoint_recycle else None,

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _checks, _driver, _method, _reduce
-from . import _tree as tree
-from ._dense import mm, solve_triangular
-from ._driver import Outcome, Problem
-from ._method import masked_div, negligible, nonzero
-from ._solution import RUNNING, Solution, Status, first_status
+from .._core import checks, contract, driver, reduce, tree
+from .._core.contract import Outcome, Problem
+from .._core.dense import mm, solve_triangular
+from .._core.solution import RUNNING, Solution, Status, first_status
+from . import steps
+from .steps import masked_div, negligible, nonzero
 
 PyTree = Any
 
@@ -42,7 +42,7 @@ class _State(NamedTuple):
 class _Context(NamedTuple):
     A: Callable
     M: Callable
-    ip: _reduce.Reduction
+    ip: reduce.Reduction
     P: PyTree  # the shadow space (leaves (s, ...))
     s: int
     angle: float  # the safeguard kappa of omega (0: the plain minimal-residual step)
@@ -142,7 +142,7 @@ def _omega_step(st: _State, ctx: _Context) -> _State:
         (pr, pt), (tr, tt, rr) = ctx.ip.project_many(ctx.P, [st.r, t],
                                                      [(t, st.r), (t, t), (st.r, st.r)])
     tt, rr = jnp.real(tt), jnp.real(rr)
-    norms = _reduce.real_sqrt(tt) * _reduce.real_sqrt(rr)
+    norms = reduce.real_sqrt(tt) * reduce.real_sqrt(rr)
     lost = negligible(tr, norms)  # t orthogonal to r: omega = 0 stalls IDR
     finite = jnp.isfinite(rr) & jnp.isfinite(tt) & jnp.isfinite(jnp.abs(tr))
     omega = tr / nonzero(tt).astype(tr.dtype)
@@ -172,7 +172,7 @@ def _decide(st: _State, ctx: _Context, rr, finite, lost):
 def _record(st: _State, rr):
     if st.history is None:
         return None
-    return st.history.at[st.k].set(jnp.where(st.go, _reduce.real_sqrt(rr), st.history[st.k]))
+    return st.history.at[st.k].set(jnp.where(st.go, reduce.real_sqrt(rr), st.history[st.k]))
 
 
 def _cycle(st: _State, ctx: _Context) -> _State:
@@ -199,7 +199,7 @@ def _run(problem: Problem, *, s: int, seed: tuple, angle: float, max_steps: int 
         x, r = problem.settled(x, r, bb)
         if problem.x0 is not None:  # from zero, f = P^H b is 0 for b = 0 already
             f = jnp.where(bb == 0, jnp.zeros_like(f), f)
-    tol2 = _driver.squared_threshold(bb, rtol, atol)
+    tol2 = contract.squared_threshold(bb, rtol, atol)
     ctx = _Context(A=problem.A, M=problem.precond or (lambda v: v), ip=ip, P=P, s=s,
                    angle=angle, tol2=tol2, max_steps=max_steps)
     dtype = tree.result_dtype(b)
@@ -209,12 +209,12 @@ def _run(problem: Problem, *, s: int, seed: tuple, angle: float, max_steps: int 
                    omega=jnp.ones((), dtype), k=jnp.int32(0), go=jnp.bool_(True),
                    status=jnp.int32(RUNNING),
                    history=problem.history(max_steps + 1, record_history))
-    state = _method.while_loop(ip, b, lambda st: st.go, functools.partial(_cycle, ctx=ctx),
+    state = steps.while_loop(ip, b, lambda st: st.go, functools.partial(_cycle, ctx=ctx),
                                state)
     return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history)
 
 
-IDRS = _driver.register(_driver.Method("idrs", _run))
+IDRS = driver.register(contract.Method("idrs", _run))
 
 
 def _seed_of(key) -> tuple:
@@ -318,13 +318,13 @@ def idrs(
     IDR(s) variant that efficiently exploits biorthogonality properties",
     ACM Trans. Math. Softw. 38 (2011).
     """
-    _checks.check_int("s", s, 1)
+    checks.check_int("s", s, 1)
     if isinstance(angle, jax.core.Tracer):
         raise TypeError("`angle` must be a concrete number (it is a constant of the solve).")
-    _checks.check_tolerance("angle", angle)
+    checks.check_tolerance("angle", angle)
     if not angle < 1:
         raise ValueError(f"`angle` must be in [0, 1) (a cosine); got {angle!r}.")
-    return _driver.solve(IDRS, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
+    return driver.solve(IDRS, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, s=int(s), seed=_seed_of(key),
                          angle=float(angle),

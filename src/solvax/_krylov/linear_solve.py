@@ -7,9 +7,10 @@ from typing import Any
 
 import jax
 
-from . import _checks
-from ._closure import close, transposed
-from ._driver import FAILED_DERIVATIVES, implicit_solve, make_problem, solution_of, solved_ok
+from .._core import checks
+from .._core.closure import close, transposed
+from .._core.implicit import FAILED_DERIVATIVES, implicit_solve, solution_of, solved_ok
+from .._core.validation import make_problem
 
 PyTree = Any
 Solver = Callable[[Callable[[PyTree], PyTree], PyTree], Any]
@@ -79,8 +80,8 @@ def linear_solve(
     for name, fn in (("solver", solver), ("transpose_solver", transpose_solver)):
         if (fn is not None or name == "solver") and not callable(fn):
             raise TypeError(f"`{name}` must be a function `(matvec, b) -> x`; got {fn!r}.")
-    _checks.check_flag("symmetric", symmetric)
-    _checks.check_choice("failed_derivative", failed_derivative, FAILED_DERIVATIVES)
+    checks.check_flag("symmetric", symmetric)
+    checks.check_choice("failed_derivative", failed_derivative, FAILED_DERIVATIVES)
     problem = make_problem(matvec, b)
     A = problem.A
     # The user's solvers may close over anything: closing them makes those values
@@ -89,7 +90,7 @@ def linear_solve(
     primal = close(lambda r, A: solver(A, r), b, A)
     dual = close(lambda r, At: (transpose_solver or solver)(At, r), b, At)
     for name, closed, op in (("solver", primal, A), ("transpose_solver", dual, At)):
-        _checks.check_like(f"{name}(matvec, b)", solution_of(jax.eval_shape(closed, b, op)),
+        checks.check_like(f"{name}(matvec, b)", solution_of(jax.eval_shape(closed, b, op)),
                            "b", problem.b)
     return implicit_solve(problem._replace(data=(primal, dual)), _primal, _dual,
                           failed_derivative)

@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _driver, _method, _reduce
-from . import _tree as tree
-from ._driver import Outcome, Problem
-from ._method import negligible, nonzero
-from ._solution import RUNNING, Solution, Status, code, first_status
+from .._core import contract, driver, reduce, tree
+from .._core.contract import Outcome, Problem
+from .._core.solution import RUNNING, Solution, Status, code, first_status
+from . import steps
+from .steps import negligible, nonzero
 
 PyTree = Any
 
@@ -43,7 +43,7 @@ class _State(NamedTuple):
 class _Context(NamedTuple):
     A: Callable
     M: Callable
-    ip: _reduce.Reduction
+    ip: reduce.Reduction
     max_steps: int
     rtol: jax.Array  # the least-squares test's tolerance
 
@@ -75,7 +75,7 @@ def _step(st: _State, ctx: _Context) -> _State:
         rz, za = ctx.ip.multi_dot([(st.r2, st.z2), (st.z2, a)])
     rz, za = jnp.real(rz), jnp.real(za)
     first = st.k == 0
-    beta = _reduce.real_sqrt(rz)
+    beta = reduce.real_sqrt(rz)
     # r_k is rounding noise next to the last step's coefficients: the Krylov
     # space is invariant (the last rotation below finishes the solve)
     invariant = ~first & negligible(beta, jnp.abs(st.alpha) + st.oldb)
@@ -149,7 +149,7 @@ def _round(rd: _Round, ctx: _Context, problem: Problem, tol) -> _Round:
     with jax.named_scope("solvax.minres.true_residual"):
         r = tree.sub(problem.b, problem.A(st.x))
         rr, xx = jnp.real(problem.ip.multi_dot([(r, r), (st.x, st.x)]))
-    norm = _reduce.real_sqrt(rr)
+    norm = reduce.real_sqrt(rr)
     ok = norm <= tol
     met = (st.status == RUNNING) & (st.phibar <= rd.target)  # the estimate met its target
     stalled = met & ~ok & ~(norm < rd.true[0])
@@ -159,7 +159,7 @@ def _round(rd: _Round, ctx: _Context, problem: Problem, tol) -> _Round:
     ratio = tol / nonzero(norm)
     target = jnp.minimum(rd.target, st.phibar) * jnp.minimum(ratio, 0.5)
     return _Round(st=st, target=jnp.where(more, target, rd.target),
-                  true=(norm, tol, _reduce.real_sqrt(xx)), status=status, go=more)
+                  true=(norm, tol, reduce.real_sqrt(xx)), status=status, go=more)
 
 
 def _run(problem: Problem, *, max_steps: int | None, record_history: bool) -> Outcome:
@@ -174,7 +174,7 @@ def _run(problem: Problem, *, max_steps: int | None, record_history: bool) -> Ou
         x, r = problem.settled(x, r, bb)
         z = M(r)
     real = problem.real_dtype()
-    tol = _driver.threshold(bb, rtol, atol)
+    tol = contract.threshold(bb, rtol, atol)
     zero = jnp.zeros((), real)
     st = _State(x=x, r1=tree.zeros_like(b), r2=r, z1=tree.zeros_like(b), z2=z,
                 w1=tree.zeros_like(b), w2=tree.zeros_like(b), alpha=zero, oldb=zero,
@@ -191,7 +191,7 @@ def _run(problem: Problem, *, max_steps: int | None, record_history: bool) -> Ou
     inf = jnp.full((), jnp.inf, real)
     rd = _Round(st=st, target=tol, true=(inf, tol, zero), status=code(RUNNING),
                 go=jnp.bool_(True))
-    rd = _method.while_loop(ip, b, lambda rd: rd.go,
+    rd = steps.while_loop(ip, b, lambda rd: rd.go,
                             functools.partial(_round, ctx=ctx, problem=problem, tol=tol), rd)
     st = rd.st
     return Outcome(x=st.x, status=rd.status, iterations=jnp.maximum(st.k - 1, 0),
@@ -199,7 +199,7 @@ def _run(problem: Problem, *, max_steps: int | None, record_history: bool) -> Ou
                    residual=rd.true)
 
 
-MINRES = _driver.register(_driver.Method("minres", _run))
+MINRES = driver.register(contract.Method("minres", _run))
 
 
 def minres(
@@ -280,7 +280,7 @@ def minres(
     Reference: C. C. Paige and M. A. Saunders, "Solution of sparse indefinite
     systems of linear equations", SIAM J. Numer. Anal. 12 (1975).
     """
-    return _driver.solve(MINRES, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
+    return driver.solve(MINRES, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, max_steps=max_steps,
                          record_history=record_history)

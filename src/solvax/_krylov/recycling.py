@@ -10,7 +10,7 @@ with the same code and the same shapes as from a full one.
 Only the `(m + k)`-sized dense problems are computed here, replicated on every
 device, with Cholesky, triangular solves and QR (every backend, `jit`, `vmap`;
 no `eig`, which runs on the CPU only). They are not differentiated: a
-derivative of a solve is implicit (`_driver.implicit_solve`: one more solve
+derivative of a solve is implicit (`_implicit.implicit_solve`: one more solve
 with the transposed operator), so it never flows through the choice of the
 space, which changes how fast a solve converges, not its solution.
 """
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _tree as tree
-from ._dense import cholesky, eigh, mm, qr, solve_triangular
+from .._core import tree
+from .._core.dense import cholesky, eigh, mm, qr, solve_triangular
 
 PyTree = Any
 
@@ -134,7 +134,7 @@ def harmonic_space(ip, V, Z, H, used, k: int, old: RecycleSpace, go, E=None,
     `p x p` matrices only (`_harmonic_coefficients`); the new `C = W Q`,
     `U = Zf g R^-1` from the QR `H g = Q R` (no reduction: `W` is
     orthonormal). Without a preconditioner `Zf = [U, V + D E]`, `D = C - U`
-    (`_gmres._OneSyncCycle.E`), so `W^H Zf` follows from `W^H U` alone, a
+    (`arnoldi.OneSyncCycle.E`), so `W^H Zf` follows from `W^H U` alone, a
     Gram matrix of `k` columns instead of `p`. The old space is kept when no
     cycle ran (`go` false), fewer than `k` accepted directions have a
     harmonic Ritz value (an empty space's unused slots have none), or

@@ -39,11 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _checks, _driver, _method, _reduce
-from . import _tree as tree
-from ._dense import eigh, eigvalsh, mm
-from ._driver import Outcome, Problem
-from ._solution import RUNNING, Status, code, first_status
+from .._core import checks, contract, driver, reduce, tree
+from .._core.contract import Outcome, Problem
+from .._core.dense import eigh, eigvalsh, mm
+from .._core.solution import RUNNING, Status, code, first_status
+from . import steps
 
 PyTree = Any
 
@@ -73,7 +73,7 @@ class _State(NamedTuple):
     k: jax.Array  # outer steps that updated x
     status: jax.Array  # RUNNING, or why the loop stopped
     go: jax.Array  # the last outer step updated x
-    checks: _method.Confirmation  # confirming convergence on the true residual
+    checks: steps.Confirmation  # confirming convergence on the true residual
     history: jax.Array | None
 
 
@@ -81,7 +81,7 @@ class _Context(NamedTuple):
     A: Any
     M: Any
     identity: bool
-    ip: _reduce.Reduction
+    ip: reduce.Reduction
     s: int
     basis: str
     estimate: bool  # spectrum from the Ritz values of each block (else given)
@@ -244,18 +244,18 @@ def _outer_step(st: _State, ctx: _Context) -> _State:
 
     tol2 = st.tol2
     if ctx.tol_from_rr:
-        tol2 = jnp.where(st.k == 0, _driver.squared_threshold(rr, ctx.rtol, ctx.atol), tol2)
+        tol2 = jnp.where(st.k == 0, contract.squared_threshold(rr, ctx.rtol, ctx.atol), tol2)
     history = st.history
     if history is not None:
-        history = history.at[st.k * s].set(_reduce.real_sqrt(rr))
+        history = history.at[st.k * s].set(reduce.real_sqrt(rr))
 
     B, Wn, spec, a = _coordinates(st.W, XZ, s, eps)
     status, finite = _step_status(rr, tol2, Wn, spec, eps)
     retry, rayleigh = _first_block_overflowed(st, ctx, XZ, finite)
     status = jnp.where(retry, RUNNING, status)
     # the own residual's convergence is confirmed on the true one (`_rounds`)
-    checks = st.checks.after_step(status == code(Status.CONVERGED), rr, tol2)
-    status = jnp.where(checks.stalled, code(Status.STAGNATION), status)
+    confirmed = st.checks.after_step(status == code(Status.CONVERGED), rr, tol2)
+    status = jnp.where(confirmed.stalled, code(Status.STAGNATION), status)
     go = (status == RUNNING) & (st.k < ctx.max_outer)
     update = go & ~retry
     a = jnp.where(update, a, 0)  # a step that does not go leaves x and r as they are
@@ -267,7 +267,7 @@ def _outer_step(st: _State, ctx: _Context) -> _State:
         QX=QX, AQR=AQR, W=spec,
         center=center, half=half, lmax=lmax, tol2=tol2, rr=rr,
         k=st.k + update.astype(st.k.dtype),
-        status=status, go=go, checks=checks, history=history)
+        status=status, go=go, checks=confirmed, history=history)
 
 
 def _first_block_overflowed(st: _State, ctx: _Context, XZ, finite):
@@ -321,8 +321,8 @@ def _restart(st: _State, ctx: _Context) -> _State:
 
 def _rounds(st: _State, ctx: _Context) -> _State:
     """Outer steps in rounds whose stopping test is confirmed on the true
-    residual (`_method.Confirmation`; the restart: one matvec, no reduction)."""
-    return _method.confirmed_rounds(ctx.ip, ctx.b, st, checks=lambda st: st.checks,
+    residual (`steps.Confirmation`; the restart: one matvec, no reduction)."""
+    return steps.confirmed_rounds(ctx.ip, ctx.b, st, checks=lambda st: st.checks,
                                     going=lambda st: st.go,
                                     step=functools.partial(_outer_step, ctx=ctx),
                                     restart=lambda st: _restart(st, ctx))
@@ -358,7 +358,7 @@ def _run(problem: Problem, *, s: int, basis: str, max_steps: int | None,
                 W=_spectral(jnp.zeros((s, s), dtype), ctx.eps),
                 center=center, half=half, lmax=jnp.zeros((), real), tol2=tol2, rr=one,
                 k=jnp.int32(0), status=jnp.int32(RUNNING), go=jnp.bool_(True),
-                checks=_method.Confirmation.start(real),
+                checks=steps.Confirmation.start(real),
                 history=problem.history(ctx.max_outer * s + 1, record_history))
     st = _rounds(st, ctx)
     history = st.history
@@ -368,14 +368,14 @@ def _run(problem: Problem, *, s: int, basis: str, max_steps: int | None,
                    iterations=jnp.minimum(st.k * s, max_steps), history=history)
 
 
-S_STEP = _driver.register(_driver.Method("pcg_s_step", _run))
+S_STEP = driver.register(contract.Method("pcg_s_step", _run))
 
 
 def solve(matvec, b, *, x0, precond, rtol, atol, max_steps, s, basis, spectrum,
           residual_replacement, record_history, inner_product, axis_name, failed_derivative):
     """`pcg(method="s_step")`: its options checked, then the driver."""
-    _checks.check_int("s", s, 1)
-    _checks.check_choice("basis", basis, BASES)
+    checks.check_int("s", s, 1)
+    checks.check_choice("basis", basis, BASES)
     data = None
     if spectrum is not None:
         if not (isinstance(spectrum, tuple | list) and len(spectrum) == 2):
@@ -391,7 +391,7 @@ def solve(matvec, b, *, x0, precond, rtol, atol, max_steps, s, basis, spectrum,
             if not 0 <= lmin < lmax:
                 raise ValueError("`spectrum` must satisfy 0 <= lmin < lmax (the eigenvalues of "
                                  f"M A are positive); got ({lmin}, {lmax}).")
-    return _driver.solve(S_STEP, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
+    return driver.solve(S_STEP, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, data=data, s=s, basis=basis,
                          max_steps=max_steps, residual_replacement=residual_replacement,

@@ -25,8 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _reduce
-from . import _tree as tree
+from .._core import reduce, tree
 
 
 def nonzero(value):
@@ -53,7 +52,7 @@ def negligible(product, *scales):
     return jnp.abs(product) <= bound
 
 
-def while_loop(ip: _reduce.Reduction, like, cond: Callable, body: Callable, state):
+def while_loop(ip: reduce.Reduction, like, cond: Callable, body: Callable, state):
     """`lax.while_loop(cond, body, state)`, the state first typed as the loop
     will produce it (`ip.typed_like_results(state, like)`): inside `shard_map`
     a solve of independent per-shard systems reduces locally, and a loop's
@@ -166,7 +165,7 @@ class Confirmation(NamedTuple):
         return tree.tree_map(lambda k, v: jnp.where(flag, k[self.best], v), self.kept, x)
 
 
-def confirmed_rounds(ip: _reduce.Reduction, like, state, *, checks: Callable, going: Callable,
+def confirmed_rounds(ip: reduce.Reduction, like, state, *, checks: Callable, going: Callable,
                      step: Callable, restart: Callable):
     """Rounds of `step` while `going(state)`, each after a `restart` where
     `checks(state).pending` (see `Confirmation`); `ip` and `like` type the

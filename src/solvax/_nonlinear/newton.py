@@ -1,4 +1,5 @@
 """Jacobian-free Newton–Krylov for `F(u) = 0` on pytrees: inexact Newton steps
+from .._core import implicit
 from solvax's Krylov solvers, Eisenstat–Walker forcing, a backtracking line
 search on `||F||`, and roots differentiated by the implicit function theorem."""
 
@@ -11,29 +12,26 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _checks, _gcrot, _recycle, _reduce
-from . import _tree as tree
-from ._bicgstab import bicgstab
-from ._cg import pcg
-from ._closure import Closed, close, transposed
-from ._driver import (
-    FAILED_DERIVATIVES,
-    Problem,
-    as_option,
+from .._core import checks, reduce, tree
+from .._core.closure import Closed, close, transposed
+from .._core.contract import Problem, as_option, invalid_tolerances, option_value
+from .._core.implicit import FAILED_DERIVATIVES, solution_checked, solved_ok
+from .._core.solution import RUNNING, Status, checked, code, describe, first_status
+from .._core.validation import (
     check_reduced_over,
     checked_tolerances,
     closed_operator,
-    invalid_tolerances,
-    option_value,
     resolved_inner_product,
-    solution_checked,
-    solved_ok,
 )
-from ._gcrot import gcrot
-from ._gmres import gmres
-from ._idrs import idrs
-from ._minres import minres
-from ._solution import RUNNING, Status, checked, code, describe, first_status
+from .._krylov import recycling
+from .._krylov.bicgstab import bicgstab
+from .._krylov.cg import pcg
+from .._krylov.gcrot import K as GCROT_K
+from .._krylov.gcrot import M as GCROT_M
+from .._krylov.gcrot import gcrot, space_size
+from .._krylov.gmres import gmres
+from .._krylov.idrs import idrs
+from .._krylov.minres import minres
 
 PyTree = Any
 
@@ -146,11 +144,11 @@ def _linear(opt: _Options, A, rhs, M, rtol, ip, capped=True, recycle=None):
             key = "restart" if opt.solver == "gmres" else "m"
             restart = min(options.get(key, 30), opt.max_inner)
             if opt.solver == "gcrot":
-                restart = max(restart, options.get("k", _gcrot.K) + 1)
+                restart = max(restart, options.get("k", GCROT_K) + 1)
             options.update({key: restart, "max_restarts": -(-opt.max_inner // restart)})
         else:
             options["max_steps"] = opt.max_inner
-    product = ip if isinstance(ip, _reduce.InnerProduct) else ip.fn
+    product = ip if isinstance(ip, reduce.InnerProduct) else ip.fn
     return LINEAR_SOLVERS[opt.solver](A, rhs, precond=M, rtol=rtol, atol=0.0,
                                       inner_product=product, **options)
 
@@ -252,8 +250,8 @@ def _first_space(opt: _Options, u0):
     if opt.solver != "gcrot":
         return None
     options = dict(opt.solver_options)
-    return _recycle.empty(u0, _gcrot.space_size(tree.size(u0), options.get("m", _gcrot.M),
-                                                options.get("k", _gcrot.K)))
+    return recycling.empty(u0, space_size(tree.size(u0), options.get("m", GCROT_M),
+                                                options.get("k", GCROT_K)))
 
 
 def _iterate(opt: _Options, F: Closed, u0, rest) -> NewtonSolution:
@@ -288,7 +286,7 @@ _COUNTS = ("status", "converged", "iterations", "linear_iterations", "linear_sta
 
 def _as_reals(sol: NewtonSolution) -> NewtonSolution:
     """Integer and boolean diagnostics as reals: every output of the custom
-    derivative then has a plain zero tangent (as `_driver._diagnostics_as_reals`)."""
+    derivative then has a plain zero tangent (as `implicit.diagnostics_as_reals`)."""
     real = sol.residual_norm.dtype
     return sol._replace(**{name: getattr(sol, name).astype(real) for name in _COUNTS})
 
@@ -419,10 +417,10 @@ def newton_krylov(
     (1995); D. A. Knoll and D. E. Keyes, "Jacobian-free Newton–Krylov
     methods", J. Comput. Phys. 193 (2004).
     """
-    _checks.check_callable("F", F)
-    _checks.check_vector("u0", u0)
-    _checks.check_precision("u0", u0)
-    u0 = _checks.strong(u0)
+    checks.check_callable("F", F)
+    checks.check_vector("u0", u0)
+    checks.check_precision("u0", u0)
+    u0 = checks.strong(u0)
     Fc = closed_operator("F", F, u0, "u0")
     opt = _options(solver, solver_options, precond, precond_builder, refresh, forcing,
                    max_inner, max_steps, line_search, max_backtracks, failed_derivative)
@@ -435,7 +433,7 @@ def newton_krylov(
 
 def _options(solver, solver_options, precond, precond_builder, refresh, forcing, max_inner,
              max_steps, line_search, max_backtracks, failed_derivative) -> _Options:
-    _checks.check_choice("solver", solver, tuple(LINEAR_SOLVERS))
+    checks.check_choice("solver", solver, tuple(LINEAR_SOLVERS))
     solver_options = {} if solver_options is None else solver_options
     if not isinstance(solver_options, dict):
         raise TypeError(f"`solver_options` must be a dict of options of `{solver}`; "
@@ -448,7 +446,7 @@ def _options(solver, solver_options, precond, precond_builder, refresh, forcing,
     if precond is not None and precond_builder is not None:
         raise ValueError("Pass either `precond` (fixed) or `precond_builder` (rebuilt from the "
                          "iterate), not both.")
-    _checks.check_int("refresh", refresh, 1)
+    checks.check_int("refresh", refresh, 1)
     if forcing != EISENSTAT_WALKER:
         if isinstance(forcing, bool) or not isinstance(forcing, int | float) or not (
                 0 < forcing < 1):
@@ -456,14 +454,14 @@ def _options(solver, solver_options, precond, precond_builder, refresh, forcing,
                              f"(the linear solves' relative tolerance); got {forcing!r}.")
         forcing = float(forcing)
     if max_inner is not None:
-        _checks.check_int("max_inner", max_inner, 1)
-    _checks.check_int("max_steps", max_steps, 0)
-    _checks.check_int("max_backtracks", max_backtracks, 0)
-    _checks.check_choice("failed_derivative", failed_derivative, FAILED_DERIVATIVES)
+        checks.check_int("max_inner", max_inner, 1)
+    checks.check_int("max_steps", max_steps, 0)
+    checks.check_int("max_backtracks", max_backtracks, 0)
+    checks.check_choice("failed_derivative", failed_derivative, FAILED_DERIVATIVES)
     kind = "fixed" if precond is not None else "builder" if precond_builder is not None else None
     return _Options(solver=solver, solver_options=tuple(sorted(solver_options.items())),
                     forcing=forcing, max_inner=max_inner, max_steps=max_steps,
-                    line_search=_checks.check_flag("line_search", line_search),
+                    line_search=checks.check_flag("line_search", line_search),
                     max_backtracks=max_backtracks, preconditioner=kind, refresh=refresh,
                     failed_derivative=failed_derivative)
 
@@ -475,8 +473,8 @@ def _closed_preconditioner(precond, builder, u0) -> Closed | None:
         return closed_operator("precond", precond, u0, "u0")
     if builder is None:
         return None
-    _checks.check_callable("precond_builder", builder)
-    with _checks.failures_named("precond_builder"):
+    checks.check_callable("precond_builder", builder)
+    with checks.failures_named("precond_builder"):
         built = jax.eval_shape(builder, u0)
     if not callable(built) or not all(isinstance(leaf, jax.ShapeDtypeStruct)
                                       for leaf in jax.tree_util.tree_leaves(built)):
@@ -484,8 +482,8 @@ def _closed_preconditioner(precond, builder, u0) -> Closed | None:
             "`precond_builder(u)` must return a preconditioner that is a pytree of arrays "
             "and callable (`solvax.multigrid(...)`, `solvax.jacobi(...)`, or "
             f"`jax.tree_util.Partial(apply, *arrays)`); got {type(built).__name__}.")
-    with _checks.failures_named("precond_builder"):
+    with checks.failures_named("precond_builder"):
         B = close(builder, u0)
-        _checks.check_like("precond_builder(u0)(u0)",
+        checks.check_like("precond_builder(u0)(u0)",
                            jax.eval_shape(lambda u: B(u)(u), u0), "u0", u0)
     return B

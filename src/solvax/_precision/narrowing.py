@@ -27,8 +27,8 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from . import _tree as tree
-from ._closure import Closed, close
+from .._core import tree
+from .._core.closure import Closed, close
 
 PyTree = Any
 

@@ -9,11 +9,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import _checks, _driver, _method, _precision, _reduce
-from . import _tree as tree
-from ._closure import Closed, _apply_transposed, transposed
-from ._driver import Outcome, Problem
-from ._solution import RUNNING, Solution, Status, first_status
+from .._core import checks, contract, driver, reduce, tree, validation
+from .._core.closure import Closed, apply_transposed, transposed
+from .._core.contract import Outcome, Problem
+from .._core.solution import RUNNING, Solution, Status, first_status
+from .._krylov import steps
+from . import narrowing
 
 PyTree = Any
 
@@ -36,17 +37,17 @@ class _State(NamedTuple):
 
 
 def _narrow(x, dtype):
-    return tree.tree_map(lambda v: _precision.cast(v, dtype), x)
+    return tree.tree_map(lambda v: narrowing.cast(v, dtype), x)
 
 
 def _inner_operator(problem: Problem, inner_dtype):
     """The operator in the inner precision: the given `inner_matvec`
     (`problem.data`), transposed as often as the driver transposed `A` (the
-    derivative's solve runs on `A^T`), or `A` narrowed (`_precision.lowered`)."""
+    derivative's solve runs on `A^T`), or `A` narrowed (`narrowing.lowered`)."""
     if problem.data is None:
-        return _precision.lowered(problem.A, problem.b, inner_dtype)
+        return narrowing.lowered(problem.A, problem.b, inner_dtype)
     A, inner = problem.A, problem.data
-    while isinstance(A, Closed) and A.fn is _apply_transposed:
+    while isinstance(A, Closed) and A.fn is apply_transposed:
         A, inner = A.consts[0], transposed(inner)
     return inner
 
@@ -74,21 +75,21 @@ def _run(problem: Problem, *, solver, inner_dtype, inner_rtol: float, max_refine
     rtol, atol = problem.tolerances()
     real = problem.real_dtype()
     inner_A = _inner_operator(problem, inner_dtype)
-    inner_ip = jax.tree_util.tree_map(lambda w: _precision.cast(w, inner_dtype), ip)
+    inner_ip = jax.tree_util.tree_map(lambda w: narrowing.cast(w, inner_dtype), ip)
     precond = _inner_precond(problem)
     with jax.named_scope("solvax.refinement.setup"):
         x, r = problem.residual()
         bb, rr, xx = jnp.real(ip.multi_dot([(b, b), (r, r), (x, x)]))
         x, r = problem.settled(x, r, bb)
         rr = jnp.where(bb == 0, 0, rr)
-    tol = _driver.threshold(bb, rtol, atol)
-    rnorm = _reduce.real_sqrt(rr)
+    tol = contract.threshold(bb, rtol, atol)
+    rnorm = reduce.real_sqrt(rr)
     history = problem.history(max_refinements + 1, record_history)
     if history is not None:
         history = history.at[0].set(rnorm)
     status = first_status([(~jnp.isfinite(rr), Status.NONFINITE), (rnorm <= tol, Status.CONVERGED)],
                           RUNNING)
-    st = _State(x=x, r=r, rnorm=rnorm, xnorm=_reduce.real_sqrt(xx), k=jnp.int32(0),
+    st = _State(x=x, r=r, rnorm=rnorm, xnorm=reduce.real_sqrt(xx), k=jnp.int32(0),
                 status=status, history=history)
 
     def body(st: _State) -> _State:
@@ -106,7 +107,7 @@ def _run(problem: Problem, *, solver, inner_dtype, inner_rtol: float, max_refine
         with jax.named_scope("solvax.refinement.residual"):
             r = tree.sub(b, problem.A(x))
             rr, xx = jnp.real(ip.multi_dot([(r, r), (x, x)]))
-        rnorm = _reduce.real_sqrt(rr)
+        rnorm = reduce.real_sqrt(rr)
         # a step that does not halve the residual (or is not finite) is not
         # taken: the best iterate is returned with the reason it stopped
         taken = rnorm <= CONTRACTION * st.rnorm
@@ -114,18 +115,18 @@ def _run(problem: Problem, *, solver, inner_dtype, inner_rtol: float, max_refine
                                (~taken, Status.STAGNATION)], RUNNING)
         history = None if st.history is None else st.history.at[st.k + 1].set(rnorm)
         keep = (rnorm <= tol) | taken
-        new = _State(x=x, r=r, rnorm=rnorm, xnorm=_reduce.real_sqrt(xx), k=st.k + 1,
+        new = _State(x=x, r=r, rnorm=rnorm, xnorm=reduce.real_sqrt(xx), k=st.k + 1,
                      status=status, history=history)
         old = st._replace(k=st.k + 1, status=status, history=history)
         return jax.tree_util.tree_map(lambda n, o: jnp.where(keep, n, o), new, old)
 
-    st = _method.while_loop(ip, b, lambda st: (st.status == RUNNING) & (st.k < max_refinements),
+    st = steps.while_loop(ip, b, lambda st: (st.status == RUNNING) & (st.k < max_refinements),
                             body, st)
     return Outcome(x=st.x, status=st.status, iterations=st.k, history=st.history,
                    residual=(st.rnorm, tol, st.xnorm))
 
 
-REFINEMENT = _driver.register(_driver.Method("iterative_refinement", _run))
+REFINEMENT = driver.register(contract.Method("iterative_refinement", _run))
 
 
 def iterative_refinement(
@@ -216,26 +217,26 @@ def iterative_refinement(
     systems by iterative refinement in three precisions", SIAM J. Sci.
     Comput. 40 (2018).
     """
-    inner_dtype = _precision.checked_dtype("inner_dtype", inner_dtype)
+    inner_dtype = narrowing.checked_dtype("inner_dtype", inner_dtype)
     if solver is None:
-        from ._cg import pcg as solver
+        from .._krylov.cg import pcg as solver
     if not callable(solver):
         raise TypeError(f"`solver` must be a solvax solver such as `sx.pcg` or a "
                         f"functools.partial of one; got {solver!r}.")
-    _checks.check_tolerance("inner_rtol", inner_rtol)
+    checks.check_tolerance("inner_rtol", inner_rtol)
     if not 0 < float(inner_rtol) < 1:
         raise ValueError(f"`inner_rtol` must be in (0, 1): each step's correction is solved "
                          f"to it (e.g. 1e-4); got {inner_rtol!r}.")
-    max_refinements = _checks.check_int("max_refinements", max_refinements, 0)
-    if inner_product is not None and not isinstance(inner_product, _reduce.InnerProduct):
+    max_refinements = checks.check_int("max_refinements", max_refinements, 0)
+    if inner_product is not None and not isinstance(inner_product, reduce.InnerProduct):
         raise TypeError("`inner_product` must be None or a `solvax.InnerProduct` for "
                         "iterative refinement (a function cannot be narrowed to `inner_dtype`).")
-    _checks.check_vector("b", b)
+    checks.check_vector("b", b)
     data = None
     if inner_matvec is not None:
-        data = _driver.closed_operator("inner_matvec", inner_matvec, _narrow(b, inner_dtype),
+        data = validation.closed_operator("inner_matvec", inner_matvec, _narrow(b, inner_dtype),
                                        arg="b narrowed")
-    return _driver.solve(REFINEMENT, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
+    return driver.solve(REFINEMENT, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, data=data,
                          solver=solver, inner_dtype=inner_dtype, inner_rtol=float(inner_rtol),

@@ -10,9 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _checks, _reduce
-from . import _tree as tree
-from ._dense import PRECISION, eigvalsh, inv
+from .._core import checks, reduce, tree
+from .._core.dense import PRECISION, eigvalsh, inv
 
 PyTree = Any
 
@@ -32,7 +31,7 @@ def jacobi(diagonal: PyTree) -> Callable[[PyTree], PyTree]:
     Raises:
         TypeError: non-floating leaves.
     """
-    _checks.check_vector("diagonal", diagonal)
+    checks.check_vector("diagonal", diagonal)
     inverse = jax.tree_util.tree_map(lambda d: 1 / d, diagonal)
     return jax.tree_util.Partial(_scaled_by, inverse)
 
@@ -59,7 +58,7 @@ def block_jacobi(blocks: jax.Array) -> Callable[[jax.Array], jax.Array]:
         ValueError: `blocks` is not a stack of square matrices, or (when
             applied) `r`'s leading axis is not `nb * bs`.
     """
-    _checks.check_vector("blocks", blocks)
+    checks.check_vector("blocks", blocks)
     if blocks.ndim != 3 or blocks.shape[1] != blocks.shape[2]:
         raise ValueError(f"`blocks` must have shape (nb, bs, bs); got {tuple(blocks.shape)}.")
     nb, bs, _ = blocks.shape
@@ -107,9 +106,9 @@ def chebyshev(matvec: Callable[[PyTree], PyTree], lmin, lmax, *, degree: int = 4
     Raises:
         ValueError: `degree < 1`, or concrete bounds not `0 < lmin < lmax`.
     """
-    degree = _checks.check_int("degree", degree, 1)
+    degree = checks.check_int("degree", degree, 1)
     for name, value in (("lmin", lmin), ("lmax", lmax)):
-        _checks.check_tolerance(name, value)
+        checks.check_tolerance(name, value)
     if not isinstance(lmin, jax.core.Tracer) and not isinstance(lmax, jax.core.Tracer):
         if not 0 < float(lmin) < float(lmax):
             raise ValueError(f"chebyshev needs 0 < lmin < lmax; got lmin={lmin}, lmax={lmax}.")
@@ -157,9 +156,9 @@ def estimate_spectrum(matvec: Callable[[PyTree], PyTree], v: PyTree, *, steps: i
 
     Reference: C. Lanczos, J. Res. Nat. Bur. Standards 45 (1950).
     """
-    steps = _checks.check_int("steps", steps, 1)
-    _checks.check_vector("v", v)
-    ip = _reduce.resolve(inner_product, axis_name)
+    steps = checks.check_int("steps", steps, 1)
+    checks.check_vector("v", v)
+    ip = reduce.resolve(inner_product, axis_name)
     real = jnp.finfo(tree.result_dtype(v)).dtype
     norm = ip.norm(v)
     if not isinstance(norm, jax.core.Tracer) and not float(norm) > 0:

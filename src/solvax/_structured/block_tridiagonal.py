@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _checks
-from ._dense import lu_factor, lu_solve, mm, solve
-from ._tridiagonal import _shift_down, _shift_up
+from .._core import checks
+from .._core.dense import lu_factor, lu_solve, mm, solve
+from .tridiagonal import shift_down, shift_up
 
 
 class BlockTridiagonalFactors(NamedTuple):
@@ -48,9 +48,9 @@ class BlockTridiagonalFactors(NamedTuple):
     C: jax.Array  # (n, m, m): S_j^{-1} U_j
 
 
-def _check_blocks(lower, diag, upper):
+def check_blocks(lower, diag, upper):
     for name, band in (("lower", lower), ("diag", diag), ("upper", upper)):
-        _checks.check_vector(name, band)
+        checks.check_vector(name, band)
     shapes = {name: tuple(jnp.shape(band)) for name, band in
               (("lower", lower), ("diag", diag), ("upper", upper))}
     if len(set(shapes.values())) != 1:
@@ -63,7 +63,7 @@ def _check_blocks(lower, diag, upper):
 
 
 def _check_rhs(rhs, n: int, m: int):
-    _checks.check_vector("rhs", rhs)
+    checks.check_vector("rhs", rhs)
     if jnp.ndim(rhs) < 2 or tuple(jnp.shape(rhs)[:2]) != (n, m):
         raise ValueError(f"`rhs` must have shape (n, m) or (n, m, k) = ({n}, {m}, ...) to "
                          f"match the blocks; got {tuple(jnp.shape(rhs))}.")
@@ -89,7 +89,7 @@ def block_tridiagonal_factor(lower, diag, upper) -> BlockTridiagonalFactors:
     returns Inf/NaN from that block on: check `jnp.isfinite` of the result
     where that can happen.
     """
-    _check_blocks(lower, diag, upper)
+    check_blocks(lower, diag, upper)
     dtype = jnp.result_type(lower, diag, upper)
     lower, diag, upper = (jnp.asarray(a, dtype) for a in (lower, diag, upper))
     lower, upper = lower.at[0].set(0), upper.at[-1].set(0)  # unused, whatever they hold
@@ -138,9 +138,9 @@ def _solve_transposed(f: BlockTridiagonalFactors, rhs):
         return w, w
 
     zero = jnp.zeros_like(rhs[0])
-    C_prev = _shift_down(f.C)
+    C_prev = shift_down(f.C)
     _, w = lax.scan(forward, zero, (C_prev, rhs))
-    L_next = _shift_up(f.lower)
+    L_next = shift_up(f.lower)
 
     def backward(z_next, row):
         lu, piv, L, w = row
@@ -152,7 +152,7 @@ def _solve_transposed(f: BlockTridiagonalFactors, rhs):
 
 
 def _matvec(f: BlockTridiagonalFactors, x):
-    return mm(f.lower, _shift_down(x)) + mm(f.diag, x) + mm(f.upper, _shift_up(x))
+    return mm(f.lower, shift_down(x)) + mm(f.diag, x) + mm(f.upper, shift_up(x))
 
 
 def block_tridiagonal_solve_factored(factors: BlockTridiagonalFactors, rhs):
@@ -207,7 +207,7 @@ def block_tridiagonal_solve(lower, diag, upper, rhs):
     `block_tridiagonal_factor` and `block_tridiagonal_solve_factored`. A
     singular pivot block gives Inf/NaN from that block on.
     """
-    _check_blocks(lower, diag, upper)
+    check_blocks(lower, diag, upper)
     _check_rhs(rhs, diag.shape[0], diag.shape[1])
     return block_tridiagonal_solve_factored(block_tridiagonal_factor(lower, diag, upper), rhs)
 
@@ -275,10 +275,10 @@ def banded_solve(bands, rhs, *, lower_bandwidth: int, upper_bandwidth: int,
             `rhs` whose leading length is not `n`. TypeError: non-integer
             bandwidths or non-floating inputs.
     """
-    lower_bandwidth = _checks.check_int("lower_bandwidth", lower_bandwidth, 0)
-    upper_bandwidth = _checks.check_int("upper_bandwidth", upper_bandwidth, 0)
-    _checks.check_vector("bands", bands)
-    _checks.check_vector("rhs", rhs)
+    lower_bandwidth = checks.check_int("lower_bandwidth", lower_bandwidth, 0)
+    upper_bandwidth = checks.check_int("upper_bandwidth", upper_bandwidth, 0)
+    checks.check_vector("bands", bands)
+    checks.check_vector("rhs", rhs)
     width = lower_bandwidth + upper_bandwidth + 1
     if jnp.ndim(bands) != 2 or jnp.shape(bands)[0] != width:
         raise ValueError(f"`bands` must have shape (lower_bandwidth + upper_bandwidth + 1, n) "
@@ -331,7 +331,7 @@ def cyclic_block_tridiagonal_solve(lower, diag, upper, rhs):
     Raises:
         ValueError: as `block_tridiagonal_solve`, or `n < 3`.
     """
-    _check_blocks(lower, diag, upper)
+    check_blocks(lower, diag, upper)
     n, m = diag.shape[:2]
     _check_rhs(rhs, n, m)
     if n < 3:

@@ -24,14 +24,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _checks
-from ._dense import mm, solve
-from ._parallel import shard_map
-from ._tridiagonal import (
-    _check_bands,
-    _expand,
-    _shift_down,
-    _shift_up,
+from .._core import checks
+from .._core.dense import mm, solve
+from .._core.parallel import shard_map
+from .block_tridiagonal import block_tridiagonal_solve, check_blocks
+from .tridiagonal import (
+    check_bands,
+    expand,
+    shift_down,
+    shift_up,
     solver_for,
 )
 
@@ -49,12 +50,12 @@ def _axis_size(axis_name) -> int:
 
 def _with_halo_down(x, first):
     """`y[j] = x[j - 1]` with `y[0] = first` (the previous block's last row)."""
-    return _shift_down(x).at[0].set(first)
+    return shift_down(x).at[0].set(first)
 
 
 def _with_halo_up(x, last):
     """`y[j] = x[j + 1]` with `y[-1] = last` (the next block's first row)."""
-    return _shift_up(x).at[-1].set(last)
+    return shift_up(x).at[-1].set(last)
 
 
 def _reduced_solve(data):
@@ -102,7 +103,7 @@ def _forward(lower, diag, upper, rhs, axis_name, method):
     v, w = vw[..., 0], vw[..., 1]
     shape = y.shape[1:]
     pieces = [v[0], v[-1], w[0], w[-1], y[0], y[-1], lower[0], upper[-1]]
-    local = jnp.stack([jnp.broadcast_to(_expand(q, ndim - 1), shape).astype(rhs.dtype)
+    local = jnp.stack([jnp.broadcast_to(expand(q, ndim - 1), shape).astype(rhs.dtype)
                        for q in pieces])
     data = lax.all_gather(local, axis_name)  # (P, 8, *shape): the one exchange
     x0, xl = _reduced_solve(data[:, :6])
@@ -110,7 +111,7 @@ def _forward(lower, diag, upper, rhs, axis_name, method):
     nxt = jnp.minimum(p + 1, nparts - 1)
     x_prev = jnp.where(p == 0, 0, xl[prev])
     x_next = jnp.where(p == nparts - 1, 0, x0[nxt])
-    x = y - _expand(v, ndim) * x_prev[None] - _expand(w, ndim) * x_next[None]
+    x = y - expand(v, ndim) * x_prev[None] - expand(w, ndim) * x_next[None]
     neighbours = (jnp.where(p == 0, 0, data[prev, 7]), jnp.where(p == nparts - 1, 0, data[nxt, 6]))
     return x, (x_prev, x_next), neighbours
 
@@ -133,8 +134,8 @@ def _partitioned_jvp(axis_name, method, primals, tangents):
     x, (x_prev, x_next), (upper_prev, lower_next) = _forward(lower, diag, upper, rhs,
                                                             axis_name, method)
     ndim = rhs.ndim
-    dA_x = (_expand(dlower, ndim) * _with_halo_down(x, x_prev)
-            + _expand(ddiag, ndim) * x + _expand(dupper, ndim) * _with_halo_up(x, x_next))
+    dA_x = (expand(dlower, ndim) * _with_halo_down(x, x_prev)
+            + expand(ddiag, ndim) * x + expand(dupper, ndim) * _with_halo_up(x, x_next))
     upper_prev = _band_shaped(upper_prev, ndim, diag.ndim)
     lower_next = _band_shaped(lower_next, ndim, diag.ndim)
     lower_t = _with_halo_down(upper, upper_prev)  # bands of A^T, neighbours' entries included
@@ -144,8 +145,8 @@ def _partitioned_jvp(axis_name, method, primals, tangents):
         nparts = _axis_size(axis_name)
         down = lax.ppermute(z[-1], axis_name, [(k, k + 1) for k in range(nparts - 1)])
         up = lax.ppermute(z[0], axis_name, [(k + 1, k) for k in range(nparts - 1)])
-        return (_expand(lower, ndim) * _with_halo_down(z, down) + _expand(diag, ndim) * z
-                + _expand(upper, ndim) * _with_halo_up(z, up))
+        return (expand(lower, ndim) * _with_halo_down(z, down) + expand(diag, ndim) * z
+                + expand(upper, ndim) * _with_halo_up(z, up))
 
     dx = lax.custom_linear_solve(
         matvec, drhs - dA_x,
@@ -196,8 +197,8 @@ def partitioned_tridiagonal_solve(lower, diag, upper, rhs, *, axis_name, mesh=No
     A. Sameh, Parallel Comput. 32 (2006); K.-H. Kim et al., "PaScaL_TDMA",
     Comput. Phys. Commun. 260 (2021).
     """
-    _checks.check_choice("method", method, ("auto", "thomas", "lax"))
-    _check_bands(lower, diag, upper, rhs)
+    checks.check_choice("method", method, ("auto", "thomas", "lax"))
+    check_bands(lower, diag, upper, rhs)
     dtype = jnp.result_type(lower, diag, upper, rhs)
     lower, diag, upper, rhs = (jnp.asarray(a, dtype) if not isinstance(a, jax.Array) else
                                a.astype(dtype) for a in (lower, diag, upper, rhs))
@@ -289,7 +290,6 @@ def _block_forward(lower, diag, upper, rhs, axis_name):
     """One partitioned block solve inside `shard_map` (`rhs` `(L, m, k)`): the
     local rows of `x`, the neighbouring interface values and the neighbours'
     coupling blocks (for the transposed system)."""
-    from ._block_tridiagonal import block_tridiagonal_solve
 
     nparts = _axis_size(axis_name)
     p = lax.axis_index(axis_name)
@@ -381,10 +381,9 @@ def partitioned_block_tridiagonal_solve(lower, diag, upper, rhs, *, axis_name, m
             devices, fewer than 2 block rows per device, or `axis_name` not
             an axis of the mesh.
     """
-    from ._block_tridiagonal import _check_blocks
 
-    _check_blocks(lower, diag, upper)
-    _checks.check_vector("rhs", rhs)
+    check_blocks(lower, diag, upper)
+    checks.check_vector("rhs", rhs)
     dtype = jnp.result_type(lower, diag, upper, rhs)
     lower, diag, upper, rhs = (jnp.asarray(a).astype(dtype) for a in (lower, diag, upper, rhs))
     if rhs.ndim not in (2, 3) or rhs.shape[:2] != diag.shape[:2]:

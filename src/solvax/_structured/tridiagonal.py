@@ -8,39 +8,39 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _checks
+from .._core import checks
 
 METHOD_NAMES = ("auto", "thomas", "lax")
 
 
-def _shift_down(x):
+def shift_down(x):
     """`y[j] = x[j - 1]`, `y[0] = 0` along the leading axis."""
     return jnp.pad(x[:-1], [(1, 0)] + [(0, 0)] * (x.ndim - 1))
 
 
-def _shift_up(x):
+def shift_up(x):
     """`y[j] = x[j + 1]`, `y[-1] = 0` along the leading axis."""
     return jnp.pad(x[1:], [(0, 1)] + [(0, 0)] * (x.ndim - 1))
 
 
-def _expand(band, ndim):
+def expand(band, ndim):
     """Append unit axes so a band broadcasts against an `ndim`-dimensional rhs."""
     return lax.expand_dims(band, tuple(range(band.ndim, ndim))) if band.ndim < ndim else band
 
 
 def _matvec(lower, diag, upper, x):
-    lower, diag, upper = (_expand(band, x.ndim) for band in (lower, diag, upper))
-    return lower * _shift_down(x) + diag * x + upper * _shift_up(x)
+    lower, diag, upper = (expand(band, x.ndim) for band in (lower, diag, upper))
+    return lower * shift_down(x) + diag * x + upper * shift_up(x)
 
 
 def _transposed(lower, diag, upper):
     """Bands of `A^T`: `lower'[j] = upper[j - 1]`, `upper'[j] = lower[j + 1]`."""
-    return _shift_down(upper), diag, _shift_up(lower)
+    return shift_down(upper), diag, shift_up(lower)
 
 
 def _thomas(lower, diag, upper, rhs):
     """Thomas elimination with `lax.scan`: forward sweep, then back substitution."""
-    lower, diag, upper = (_expand(band, rhs.ndim) for band in (lower, diag, upper))
+    lower, diag, upper = (expand(band, rhs.ndim) for band in (lower, diag, upper))
     dtype = rhs.dtype
     # from the operands, so the carry has their type (varying inside shard_map)
     zero = jnp.zeros_like(jnp.broadcast_arrays(upper[0], rhs[0])[0], dtype)
@@ -73,7 +73,7 @@ def _lax(lower, diag, upper, rhs):
         x = lax.linalg.tridiagonal_solve(lower, diag, upper, b)
         return x if rhs.ndim == 2 else x[:, 0]
     # One matrix per batch entry: move the system axis last (local transposes only).
-    bands = [jnp.moveaxis(jnp.broadcast_to(_expand(band, rhs.ndim), rhs.shape), 0, -1)
+    bands = [jnp.moveaxis(jnp.broadcast_to(expand(band, rhs.ndim), rhs.shape), 0, -1)
              for band in (lower, diag, upper)]
     x = lax.linalg.tridiagonal_solve(*bands, jnp.moveaxis(rhs, 0, -1)[..., None])
     return jnp.moveaxis(x[..., 0], -1, 0)
@@ -104,9 +104,9 @@ def solver_for(method: str, dtype, rows: int):
     return _thomas if method == "thomas" else _lax
 
 
-def _check_bands(lower, diag, upper, rhs):
+def check_bands(lower, diag, upper, rhs):
     for name, band in (("lower", lower), ("diag", diag), ("upper", upper), ("rhs", rhs)):
-        _checks.check_vector(name, band)
+        checks.check_vector(name, band)
         if jnp.finfo(band.dtype).bits < 32:
             raise TypeError(f"`{name}` is {jnp.dtype(band.dtype).name}; the tridiagonal "
                             "solves need float32 or wider (XLA has no 16-bit tridiagonal "
@@ -171,8 +171,8 @@ def tridiagonal_solve(lower, diag, upper, rhs, *, method: str = "auto"):
     Reference: L. H. Thomas, "Elliptic problems in linear difference
     equations over a network", Watson Sci. Comput. Lab. report (1949).
     """
-    _checks.check_choice("method", method, METHOD_NAMES)
-    _check_bands(lower, diag, upper, rhs)
+    checks.check_choice("method", method, METHOD_NAMES)
+    check_bands(lower, diag, upper, rhs)
     dtype = jnp.result_type(lower, diag, upper, rhs)
     lower, diag, upper, rhs = (jnp.asarray(a, dtype) for a in (lower, diag, upper, rhs))
     lower, upper = lower.at[0].set(0), upper.at[-1].set(0)  # unused, whatever they hold
@@ -223,7 +223,7 @@ def cyclic_tridiagonal_solve(lower, diag, upper, rhs, *, method: str = "auto"):
 
     Reference: W. H. Press et al., Numerical Recipes, 3rd ed., sec. 2.7.2.
     """
-    _check_bands(lower, diag, upper, rhs)
+    check_bands(lower, diag, upper, rhs)
     if diag.shape[0] < 3:
         raise ValueError(f"`cyclic_tridiagonal_solve` needs n >= 3 rows; got {diag.shape[0]}.")
     dtype = jnp.result_type(lower, diag, upper, rhs)
@@ -240,8 +240,8 @@ def cyclic_tridiagonal_solve(lower, diag, upper, rhs, *, method: str = "auto"):
     ndim = rhs.ndim
 
     def v_dot(t):  # v.t over the system axis, per batch entry
-        return t[0] + _expand(beta / gamma, t.ndim - 1) * t[-1]
+        return t[0] + expand(beta / gamma, t.ndim - 1) * t[-1]
 
-    factor = v_dot(y) / _expand(1 + v_dot(z), ndim - 1)
-    return y - _expand(z, ndim) * factor[None]
+    factor = v_dot(y) / expand(1 + v_dot(z), ndim - 1)
+    return y - expand(z, ndim) * factor[None]
 

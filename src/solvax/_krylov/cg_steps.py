@@ -1,0 +1,194 @@
+"""Conjugate gradients' shared mechanics: the step scalars and their stopping
+rules, and the standard and single-reduction steps (one per method)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .._core import contract, reduce, tree
+from .._core.contract import Outcome, Problem
+from .._core.solution import RUNNING, Status, first_status
+from .steps import masked_div
+
+PyTree = Any
+
+
+class Scalars(NamedTuple):
+    """The scalars every CG variant carries from step to step."""
+
+    gamma: jax.Array  # <r, M r> of the previous step
+    alpha: jax.Array  # previous step length
+    tol2: jax.Array  # squared stopping threshold max(atol, rtol ||b||)^2
+    k: jax.Array  # steps run (the last one did not update x unless `go`)
+    go: jax.Array  # the last step went on; else it stopped the loop, and
+    rr: jax.Array  # its <r, r> and
+    curvature: jax.Array  # its <p, A p> (with gamma, tol2) say why (`stop_reason`)
+    history: jax.Array | None  # recursive residual norm per step (if recorded)
+
+
+class Standard(NamedTuple):
+    x: PyTree
+    r: PyTree  # recursively updated residual b - A x
+    p: PyTree  # search direction
+    sc: Scalars
+
+
+class Single(NamedTuple):
+    x: PyTree
+    r: PyTree
+    p: PyTree
+    s: PyTree  # A p
+    sc: Scalars
+
+
+class Context(NamedTuple):
+    """What a step reads besides its state (all from the `Problem`)."""
+
+    A: Callable
+    M: Callable
+    identity: bool  # no preconditioner: M r = r, one product fewer
+    ip: reduce.Reduction
+    rtol: jax.Array
+    atol: jax.Array
+    tol_from_rr: bool  # x0 = None: ||b||^2 is the first step's <r, r>
+    max_steps: int  # a step with k = max_steps only checks the residual
+    space: Any = None  # deflated CG: the recycled (C, U), U^H C = I
+    ell: int = 0  # deflated CG: the directions kept for the next space
+
+
+def may_go(rr, gamma, tol2):
+    """`tol2 < rr < inf` and `0 < gamma < inf`: comparisons only (false for NaN)."""
+    return (tol2 < rr) & (rr < jnp.inf) & (0 < gamma) & (gamma < jnp.inf)
+
+
+def top_of_step(sc: Scalars, ctx: Context, rr, gamma):
+    """The stopping threshold and history, updated from the reduced values at
+    the top of a step, and whether the step may go on (`may_go`)."""
+    tol2 = sc.tol2
+    if ctx.tol_from_rr:
+        tol2 = jnp.where(sc.k == 0, contract.squared_threshold(rr, ctx.rtol, ctx.atol), tol2)
+    history = sc.history
+    if history is not None:
+        history = history.at[sc.k].set(reduce.real_sqrt(rr))
+    return sc._replace(tol2=tol2, history=history), may_go(rr, gamma, tol2) & (
+        sc.k < ctx.max_steps)
+
+
+def goes(go, curvature):
+    """The step updates `x`: its top passed (`may_go`) and `0 < <p, A p> < inf`."""
+    return go & (0 < curvature) & (curvature < jnp.inf)
+
+
+def stop_reason(sc: Scalars):
+    """Why a step that did not go on stopped, in order: non-finite values,
+    convergence, a non-positive-definite preconditioner or operator.
+
+    Evaluated once after the loop from the last step's carried values, not in
+    every step: the loop itself decides with comparisons only (`may_go`,
+    `goes`), and when only `x` is used the compiler drops this altogether.
+    """
+    return first_status([(~(jnp.isfinite(sc.rr) & jnp.isfinite(sc.gamma)), Status.NONFINITE),
+                         (sc.rr <= sc.tol2, Status.CONVERGED),
+                         ((sc.gamma <= 0) | jnp.isfinite(sc.curvature), Status.INDEFINITE)],
+                        Status.NONFINITE)
+
+
+def products(ctx: Context, r, u, w):
+    """`(gamma, delta, rr) = (<r, u>, <u, w>, <r, r>)` in one reduction (with
+    `u = r` when there is no preconditioner: one product fewer)."""
+    if ctx.identity:
+        rr, delta = jnp.real(ctx.ip.multi_dot([(r, r), (u, w)]))
+        return rr, delta, rr
+    return tuple(jnp.real(ctx.ip.multi_dot([(r, u), (u, w), (r, r)])))
+
+
+def recurrence(sc: Scalars, gamma, delta, go):
+    """Chronopoulos–Gear coefficients from `gamma = <r, M r>`, `delta = <M r, A M r>`:
+    `beta = gamma / gamma_prev`, `<p, A p> = delta - beta gamma / alpha_prev`."""
+    beta = gamma / sc.gamma  # see `standard_step`
+    curvature = jnp.where(sc.k == 0, delta, delta - beta * gamma / sc.alpha)
+    go = goes(go, curvature)
+    return beta, masked_div(go, gamma, curvature), curvature, go
+
+
+def advance(sc: Scalars, go, alpha, rr, gamma, curvature) -> Scalars:
+    """The scalars after a step. `k` counts steps run, whether or not they went
+    on (the loop ends with the first that did not), so it does not depend on
+    the step's outcome."""
+    return sc._replace(go=go, alpha=alpha, rr=rr, gamma=gamma, curvature=curvature, k=sc.k + 1)
+
+
+def next_direction(p, ctx: Context, go, gamma):
+    """The second half of a Hestenes–Stiefel step from its direction `p`:
+    `(q, <p, q>, go, alpha)` with `q = A p` (one reduction), whether the
+    step goes on (`goes`) and its length `<r, z> / <p, A p>`."""
+    with jax.named_scope("solvax.pcg.matvec"):
+        q = ctx.A(p)
+    with jax.named_scope("solvax.pcg.reduce"):
+        pq = jnp.real(ctx.ip.dot(p, q))
+    go = goes(go, pq)
+    return q, pq, go, masked_div(go, gamma, pq)
+
+
+def standard_step(st: Standard, ctx: Context) -> Standard:
+    """Hestenes–Stiefel: two reductions, `<r, z>` with `<r, r>`, then `<p, A p>`."""
+    with jax.named_scope("solvax.pcg.precond"):
+        z = ctx.M(st.r)
+    with jax.named_scope("solvax.pcg.reduce"):
+        if ctx.identity:
+            rr = gamma = jnp.real(ctx.ip.dot(st.r, st.r))
+        else:
+            gamma, rr = jnp.real(ctx.ip.multi_dot([(st.r, z), (st.r, st.r)]))
+    sc, go = top_of_step(st.sc, ctx, rr, gamma)
+    # No guard needed: a step runs only after one that went on (gamma, alpha > 0)
+    # or from the initial 1s, and the first step's beta multiplies p = 0.
+    beta = gamma / sc.gamma
+    p = tree.axpy(beta, st.p, z)
+    q, pq, go, alpha = next_direction(p, ctx, go, gamma)
+    return Standard(x=tree.axpy(alpha, p, st.x), r=tree.axpy(-alpha, q, st.r), p=p,
+                     sc=advance(sc, go, alpha, rr, gamma, pq))
+
+
+def single_step(st: Single, ctx: Context) -> Single:
+    """Chronopoulos & Gear (1989): with u = M r and w = A u, the three products
+    <r, u>, <u, w>, <r, r> are independent and share one reduction."""
+    with jax.named_scope("solvax.pcg.precond"):
+        u = ctx.M(st.r)
+    with jax.named_scope("solvax.pcg.matvec"):
+        w = ctx.A(u)
+    with jax.named_scope("solvax.pcg.reduce"):
+        gamma, delta, rr = products(ctx, st.r, u, w)
+    sc, go = top_of_step(st.sc, ctx, rr, gamma)
+    beta, alpha, curvature, go = recurrence(sc, gamma, delta, go)
+    p = tree.axpy(beta, st.p, u)
+    s = tree.axpy(beta, st.s, w)
+    # p reads the old r; r is updated after p (in place, no copy of r).
+    return Single(x=tree.axpy(alpha, p, st.x), r=tree.after(tree.axpy(-alpha, s, st.r), p),
+                   p=p, s=s, sc=advance(sc, go, alpha, rr, gamma, curvature))
+
+
+def start(problem: Problem, ctx: Context, real, max_steps: int, record_history: bool):
+    """`(x, r, scalars)` at the start: from x0 (one setup reduction for ||b||)
+    or from zero (then ||b||^2 is the first step's <r, r>)."""
+    with jax.named_scope("solvax.pcg.setup"):
+        x, r, tol2 = problem.start(ctx.rtol, ctx.atol)
+    one = jnp.ones((), real)
+    history = problem.history(max_steps + 1, record_history)
+    sc = Scalars(gamma=one, alpha=one, tol2=tol2, k=jnp.int32(0), go=jnp.bool_(True),
+                  rr=one, curvature=one, history=history)
+    return x, r, sc
+
+
+def finished(sc: Scalars, x, max_steps: int, stalled=False) -> Outcome:
+    """The outcome of a CG loop from its last step's scalars (`stalled`:
+    pipelined CG's confirmation found no progress)."""
+    # Every step run updated x, except the last one, which stopped the loop.
+    taken = sc.k - (~sc.go).astype(jnp.int32)
+    at_limit = (sc.k > max_steps) & may_go(sc.rr, sc.gamma, sc.tol2)
+    status = first_status([(sc.go | at_limit, RUNNING), (stalled, Status.STAGNATION)],
+                          stop_reason(sc))
+    return Outcome(x=x, status=status, iterations=taken, history=sc.history)
