@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import solvax as sx
+from solvax._core import registry
 
 
 def entry_point_env() -> dict:
@@ -148,7 +149,7 @@ class Solver:
     runs (`solvax._core.driver.REGISTRY`); `counts` are its pinned collective counts
     on a diagonal operator under `jit` with a sharded vector: (primal total,
     adjoint total, per iteration; a GMRES restart and its Arnoldi step both
-    count).
+    count); `limit`: the option that caps its outer loop.
     """
 
     name: str
@@ -156,6 +157,7 @@ class Solver:
     method: str
     nonsymmetric: bool  # accepts nonsymmetric (and non-Hermitian) operators
     counts: tuple[int, int, int]
+    limit: str = "max_steps"
 
 
 def _linear_solve_gmres(matvec, b, **options):
@@ -163,70 +165,16 @@ def _linear_solve_gmres(matvec, b, **options):
     return sx.linear_solve(matvec, b, solver=lambda A, r: sx.gmres(A, r, restart=20, **options))
 
 
-# Every solve: one max |b_i| before the loop (the power-of-two scale that keeps
-# its norms in range; `_driver._scaled`). PCG: <p, Ap> and the fused
-# [<r, z>, <r, r>]; with x0=None ||b|| is the first step's <r, r>. Single
-# reduction and pipelined: one stacked reduction per step (residual replacement
-# adds matvecs, no reduction). FGMRES: the restart's fused [||r||^2, ||b||^2]
-# plus, per Arnoldi step, one stacked projection (one_sync, the default) or two
-# (CGS2).
-SOLVERS = {s.name: s for s in [
-    Solver("pcg", sx.pcg, "pcg", False, (3, 6, 2)),
-    Solver("pcg_single_reduction", functools.partial(sx.pcg, single_reduction=True), "pcg",
-           False, (2, 4, 1)),
-    Solver("pcg_pipelined", functools.partial(sx.pcg, method="pipelined"), "pcg", False,
-           (2, 4, 1)),
-    # Every 10 steps: in single precision on the condition-660 1-D Poisson test,
-    # every 20 steps breaks down on jax 0.4.38 (measured; see docs/krylov.md).
-    Solver("pcg_pipelined_replacement",
-           functools.partial(sx.pcg, method="pipelined", residual_replacement=10), "pcg",
-           False, (2, 4, 1)),
-    Solver("pcg_linear_solve", sx.pcg_linear_solve, "pcg", False, (3, 6, 2)),
-    # deflated CG from an empty space of 4: the scale, the start's [U^H r,
-    # ||b||^2] and two per step (the projections C^H z in the second); the
-    # next space's Gram matrix after the loop is dropped when only x is used
-    Solver("pcg_recycled", functools.partial(sx.pcg, recycle_size=4), "pcg", False,
-           (4, 10, 2)),
-    # one stacked Gram reduction per outer step of s CG steps (s = 3 here: an odd
-    # block and a Chebyshev recurrence with both terms; s = 4, 8 pinned on their own)
-    Solver("pcg_s_step", functools.partial(sx.pcg, method="s_step", s=3), "pcg_s_step", False,
-           (2, 4, 1)),
-    Solver("gmres", functools.partial(sx.gmres, restart=20), "gmres", True, (3, 6, 2)),
-    Solver("gmres_cgs2", functools.partial(sx.gmres, restart=20, orthogonalization="cgs2"),
-           "gmres", True, (4, 8, 3)),
-    Solver("gmres_restart5", functools.partial(sx.gmres, restart=5), "gmres", True, (3, 6, 2)),
-    Solver("gmres_cgs2_restart5",
-           functools.partial(sx.gmres, restart=5, orthogonalization="cgs2"), "gmres", True,
-           (4, 8, 3)),
-    Solver("linear_solve_gmres", _linear_solve_gmres, "gmres", True, (3, 6, 2)),
-    # GCRO-DR: as GMRES (the restart's reduction carries C^H r), plus the
-    # harmonic update's Gram matrix per cycle (in a conditional of the restart
-    # loop: 3 in loops, 1 per Arnoldi step); the adjoint refreshes the forward
-    # space for A^T (2 more); from recycle=None no refresh of a given space
-    Solver("gcrot", functools.partial(sx.gcrot, m=12, k=4), "gcrot", True, (4, 10, 3)),
-    # iterative refinement around GMRES (nonsymmetric operators), corrections in
-    # float32: the scale and the setup's [||b||^2, ||r||^2, ||x||^2]; per
-    # refinement step the step's [||r||^2, ||x||^2] and the inner GMRES's
-    # scale (the refinement loop), its restart (the restart loop) and one per
-    # Arnoldi step (the innermost loop: 1 executed per step)
-    Solver("iterative_refinement", functools.partial(
-        sx.iterative_refinement, solver=functools.partial(sx.gmres, restart=20)),
-        "iterative_refinement", True, (6, 12, 4)),
-    # the scale, the setup's ||r||^2 (the first rho), and two per step
-    Solver("bicgstab", sx.bicgstab, "bicgstab", True, (4, 8, 2)),
-    # ... and one per step
-    Solver("bicgstab_one_sync", functools.partial(sx.bicgstab, method="one_sync"), "bicgstab",
-           True, (3, 6, 1)),
-    # the scale, the setup's [P^H r, ||r||^2, ||b||^2], one per matvec: s + 1 per
-    # cycle (the loop body is the unrolled cycle). s = 2 here: the code paths of
-    # the default s = 4 (tests/test_short_recurrence.py and the table pin s = 4)
-    # at about half the compile time, which the generic tests pay many times.
-    Solver("idrs", functools.partial(sx.idrs, s=2), "idrs", True, (5, 10, 3)),
-    # the scale, the setup's ||b||^2, one per Lanczos step (the inner loop), and
-    # the true residual of each round (the outer loop, like GMRES's restarts);
-    # Hermitian operators only
-    Solver("minres", sx.minres, "minres", False, (4, 8, 2)),
-]}
+# Every registered variant (`solvax._core.registry`: each solver's module
+# registers its variants and their counts, with why), and `linear_solve`
+# around GMRES, whose options pass through to the solver it wraps.
+SOLVERS = {
+    **{name: Solver(name, functools.partial(solver.function, **variant.options), variant.method,
+                    solver.nonsymmetric, variant.counts, solver.limit)
+       for name, (solver, variant) in registry.variants().items()},
+    "linear_solve_gmres": Solver("linear_solve_gmres", _linear_solve_gmres, "gmres", True,
+                                 (3, 6, 2), "max_restarts"),
+}
 KRYLOV = {name: s.solve for name, s in SOLVERS.items()}
 # The variants with code paths of their own (the restart-5 ones differ only in size):
 # the expensive generic checks (every leaf layout, shard_map) run these.
@@ -240,14 +188,12 @@ REPRESENTATIVE = {"pcg", "pcg_pipelined", "pcg_s_step", "gmres", "bicgstab", "id
 WITH_WRAPPERS = REPRESENTATIVE | {"pcg_linear_solve", "linear_solve_gmres"}
 GENERAL_SOLVERS = [name for name, s in SOLVERS.items() if s.nonsymmetric]
 # Methods limited by restarts (`max_restarts`) rather than steps (`max_steps`).
-RESTARTED = ("gmres", "gcrot")
+RESTARTED = tuple(s.name for s in registry.SOLVERS.values() if s.limit == "max_restarts")
 
 
 def step_limit(name: str, steps: int) -> dict:
     """The option that limits a registered solver's outer loop to `steps`."""
-    option = {"gmres": "max_restarts", "gcrot": "max_restarts",
-              "iterative_refinement": "max_refinements"}.get(SOLVERS[name].method, "max_steps")
-    return {option: steps}
+    return {SOLVERS[name].limit: steps}
 
 
 def tolerance(dtype, name: str = "") -> tuple[float, float]:

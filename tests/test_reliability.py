@@ -84,7 +84,7 @@ def _check_truthful(name, problem, dtype, exponent, seed):
     sol = solve(b)
     assert sol.x.dtype == b.dtype
     true, ax = _true_relative_residual(A, sol.x, b, scale)
-    rtol = sx._core.driver.default_rtol(b)
+    rtol = sx._core.validation.default_rtol(b)
     # the solver evaluates the residual in its own precision: allow that rounding
     rounding = 30 * float(jnp.finfo(dtype).eps) * (1 + ax)
     status = Status(int(sol.status))
@@ -219,7 +219,7 @@ def test_every_scale_of_b(name, dtype, scale):
     assert int(sol.status) == Status.CONVERGED, sol.message
     x = np.asarray(sol.x, np.float64) / scale
     assert rel_err(x, np.linalg.solve(np.asarray(A, np.float64), v)) < 100 * float(
-        sx._core.driver.default_rtol(b))
+        sx._core.validation.default_rtol(b))
 
 
 def test_tiny_atol_alone_is_not_a_converged_zero():

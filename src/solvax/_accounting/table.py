@@ -20,18 +20,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._core.parallel import shard_map
+from .._core.registry import SOLVERS
 from .._grid.multigrid import multigrid
 from .._grid.stationary import multigrid_solve
 from .._grid.stencil import diffusion_operator
-from .._krylov.bicgstab import bicgstab
 from .._krylov.cg import pcg
-from .._krylov.gcrot import gcrot
-from .._krylov.gmres import gmres
-from .._krylov.idrs import idrs
-from .._krylov.linear_solve import linear_solve
-from .._krylov.minres import minres
 from .._nonlinear.newton import newton_krylov
-from .._precision.refinement import iterative_refinement
 from .._preconditioners.jacobi import jacobi
 from .._structured.block_tridiagonal import block_tridiagonal_solve
 from .._structured.partitioned import (
@@ -58,10 +52,6 @@ def _diag(d):
     return lambda x: jax.tree_util.tree_map(jnp.multiply, d, x)
 
 
-def _gmres16(matvec, b):
-    return gmres(matvec, b, restart=16)
-
-
 def _shard_mapped(mesh, solve):
     """`solve(d, b, axis_name="i")` inside `shard_map`, vectors split over 'i'."""
 
@@ -73,54 +63,20 @@ def _shard_mapped(mesh, solve):
     return run
 
 
-# The Krylov rows: (case, solver, options), each run as
-# `solver(diagonal operator, b, **options).x` on a vector sharded P('i'); the
-# shard_map rows inside `shard_map` with axis_name='i'; the pytree rows on a
-# dict mixing a P('i') vector and a P(None, 'i') field.
-_KRYLOV = [
-    ("PCG", pcg, {}),
-    ("PCG, single_reduction=True", pcg, {"single_reduction": True}),
-    ("PCG, pipelined", pcg, {"method": "pipelined"}),
-    ("PCG, s_step s=4 (a step = 4 CG iterations)", pcg, {"method": "s_step", "s": 4}),
-    ("PCG, s_step s=8 (a step = 8 CG iterations)", pcg, {"method": "s_step", "s": 8}),
-    ("FGMRES(16) via linear_solve", linear_solve, {"solver": _gmres16}),
-    ("FGMRES(16), CGS2 orthogonalization", gmres, {"restart": 16, "orthogonalization": "cgs2"}),
-    ("BiCGStab", bicgstab, {}),
-    ("BiCGStab, method='one_sync'", bicgstab, {"method": "one_sync"}),
-    ("IDR(4)", idrs, {"s": 4}),
-    ("MINRES", minres, {}),
-    ("GCRO-DR gcrot(m=16, k=4) (recycled space)", gcrot, {"m": 16, "k": 4}),
-    ("iterative_refinement, float32 FGMRES(16) corrections", iterative_refinement,
-     {"solver": functools.partial(gmres, restart=16)}),
-]
-_SHARD_MAPPED = [
-    ("shard_map: PCG, single_reduction (axis_name)", pcg, {"single_reduction": True}),
-    ("shard_map: PCG, pipelined (axis_name)", pcg, {"method": "pipelined"}),
-    ("shard_map: PCG, s_step s=4 (axis_name)", pcg, {"method": "s_step", "s": 4}),
-    ("shard_map: FGMRES(16) (axis_name)", gmres, {"restart": 16}),
-    ("shard_map: BiCGStab (axis_name)", bicgstab, {}),
-    ("shard_map: BiCGStab one_sync (axis_name)", bicgstab, {"method": "one_sync"}),
-    ("shard_map: IDR(4) (axis_name)", idrs, {"s": 4}),
-    ("shard_map: MINRES (axis_name)", minres, {}),
-    ("shard_map: gcrot(m=16, k=4) (axis_name)", gcrot, {"m": 16, "k": 4}),
-]
-_PYTREE = [
-    ("pytree PCG, P('i') + P(None,'i') leaves", pcg, {}),
-    ("pytree PCG single_reduction, P('i') + P(None,'i')", pcg, {"single_reduction": True}),
-    ("pytree PCG s_step s=4, P('i') + P(None,'i')", pcg, {"method": "s_step", "s": 4}),
-    ("pytree FGMRES(16), P('i') + P(None,'i') leaves", gmres, {"restart": 16}),
-    ("pytree IDR(4), P('i') + P(None,'i') leaves", idrs, {}),
-    ("pytree MINRES, P('i') + P(None,'i') leaves", minres, {}),
-]
+def _registered_rows(layout: str) -> list:
+    """`(case, solver, options)` of every registered solver's table rows in
+    `layout` (`_core.registry.Row`): each run as `solver(diagonal operator,
+    b, **options).x` on a vector sharded P('i'); `"jacobi"` with a Jacobi
+    preconditioner, `"shard_map"` inside `shard_map` with axis_name='i',
+    `"pytree"` on a dict mixing a P('i') vector and a P(None, 'i') field."""
+    return [(row.case, solver.function, {**row.options, "jacobi": layout == "jacobi"})
+            for solver in SOLVERS.values() for row in solver.rows if row.layout == layout]
 
 
-# PCG of every method with a preconditioner: Jacobi on the diagonal
-# problem, multigrid on the 64 x 64 grid (rows added in `_multigrid_cases`)
+# PCG of every method preconditioned by multigrid on the 64 x 64 grid
 _PCG_METHODS = [("", {}), (", single_reduction", {"method": "single_reduction"}),
                 (", pipelined", {"method": "pipelined"}),
                 (", s_step s=4", {"method": "s_step", "s": 4})]
-_JACOBI = [(f"PCG{label} + Jacobi", pcg, {**options, "jacobi": True})
-           for label, options in _PCG_METHODS]
 
 
 def _krylov(solver, options):
@@ -215,11 +171,11 @@ def _cases(mesh: Mesh, n: int) -> dict[str, tuple[Callable, tuple]]:
     return {
         **_structured_cases(mesh, n, put, rng),
         **{case: (_krylov(solver, options), (diag, b))
-           for case, solver, options in _KRYLOV + _JACOBI},
+           for case, solver, options in _registered_rows("jit") + _registered_rows("jacobi")},
         **{case: (_shard_mapped(mesh, _krylov(solver, options)), (diag, b))
-           for case, solver, options in _SHARD_MAPPED},
+           for case, solver, options in _registered_rows("shard_map")},
         **{case: (_krylov(solver, options), (tree_d, tree_b))
-           for case, solver, options in _PYTREE},
+           for case, solver, options in _registered_rows("pytree")},
         **_multigrid_cases(mesh, rng),
         "Newton-Krylov (BiCGStab inside), F(u) = d u + u^3 - b, P('i')": (_newton, (diag, b)),
     }

@@ -38,8 +38,8 @@ The contract a method keeps:
   `jax.linear_transpose`, exact for symmetric operators too), from zero: a
   method for Hermitian operators works on `A^T = conj(A)` as well.
 
-- Options shared by several methods are checked here (`max_steps`,
-  `record_history`); a method checks only its own.
+- Options shared by several methods are checked once (`options.py`:
+  `max_steps`, `record_history`, `failed_derivative`); a method checks only its own.
 - The small mechanisms of a step (safe division, the rounding-level test,
   the typed loop, confirmation on the true residual) are in `_method.py`;
   the start from `x0` and the stopping threshold are `Problem.start` /
@@ -57,9 +57,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import checks, reduce, tree
+from . import reduce, tree
 from .contract import Method, Outcome, Problem, invalid_tolerances, threshold
-from .implicit import FAILED_DERIVATIVES, implicit_solve
+from .implicit import implicit_solve
+from .options import checked_failed_derivative, checked_loop_options
 from .solution import Solution, Status, code, make_solution
 from .validation import check_reduced_over, make_problem
 
@@ -78,8 +79,8 @@ def solve(method: Method, matvec, b, /, *, x0, precond, rtol, atol, inner_produc
     `data`: the method's own traced arguments (`Problem.data`); `adjoint_data`:
     `Solution -> data` of the transposed solve from the primal one (`gcrot`
     hands its recycled space on), else the transposed solve gets `data`."""
-    checks.check_choice("failed_derivative", failed_derivative, FAILED_DERIVATIVES)
-    options = _common_options(options)
+    checked_failed_derivative(failed_derivative)
+    options = checked_loop_options(options)
     problem = make_problem(matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                            inner_product=inner_product, axis_name=axis_name)
     problem = problem._replace(data=data)
@@ -90,17 +91,6 @@ def solve(method: Method, matvec, b, /, *, x0, precond, rtol, atol, inner_produc
     # The transposed solve: the same method on A^T, started from zero.
     return implicit_solve(problem, run, lambda p: run(p._replace(x0=None)), failed_derivative,
                           adjoint_data)
-
-
-def _common_options(options: dict) -> dict:
-    """The options several methods share, checked here once: `max_steps` a
-    non-negative int (or None), `record_history` a bool."""
-    if options.get("max_steps") is not None:
-        checks.check_int("max_steps", options["max_steps"], 0)
-    if "record_history" in options:
-        options = {**options, "record_history": checks.check_flag(
-            "record_history", options["record_history"])}
-    return options
 
 
 def _run_and_finish(method: Method, options: dict, problem: Problem):

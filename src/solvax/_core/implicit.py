@@ -40,7 +40,6 @@ def _diagnostics_restored(out):
                         iterations=out.iterations.astype(np.int32))
 
 
-FAILED_DERIVATIVES = ("nan", "keep")
 
 
 def solved_ok(out):

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 
 from .._core import checks, contract, driver, reduce, tree
 from .._core.contract import Outcome, Problem
+from .._core.options import documented
+from .._core.registry import Row, Variant, register_solver
 from .._core.solution import RUNNING, Solution, Status, first_status
 from . import steps
 from .steps import negligible, nonzero
@@ -341,6 +343,7 @@ def _run(problem: Problem, *, method: str, max_steps: int | None,
 BICGSTAB = driver.register(contract.Method("bicgstab", _run))
 
 
+@documented
 def bicgstab(
     matvec: Callable[[PyTree], PyTree],
     b: PyTree,
@@ -388,10 +391,8 @@ def bicgstab(
     Args:
         matvec: `x -> A x` on pytrees shaped like `b`.
         b: right-hand side (array or pytree; each leaf keeps its sharding).
-        x0: initial guess shaped like `b` (default zeros).
+        x0, rtol, atol, inner_product, axis_name, failed_derivative: the common options.
         precond: `v -> M v`, a right preconditioner (default identity).
-        rtol, atol: stop when `||b - A x|| <= max(atol, rtol * ||b||)`; the
-            default `rtol` is `max(1e-8, 100 eps)` of the least precise leaf.
         max_steps: step limit (default `10 * size(b)`); each step is two matvecs.
         method: `"standard"` (two synchronizations per step, above) or
             `"one_sync"`: **one** synchronization per step (after Yang & Brent;
@@ -403,10 +404,6 @@ def bicgstab(
             `converged`.
         record_history: store the residual norm at the start of every step
             in `Solution.history` (length `max_steps + 1`, NaN after the end).
-        inner_product: a `solvax.InnerProduct` (or `(x, y) -> scalar`).
-        axis_name: inside `shard_map`, the mesh axis the vectors are split over.
-        failed_derivative: `"nan"` (default): a derivative whose solve did not
-            converge is NaN; `"keep"`: as computed.
 
     Returns:
         A `Solution`; `iterations` counts steps that updated `x`.
@@ -425,3 +422,16 @@ def bicgstab(
                          failed_derivative=failed_derivative, method=method,
                          max_steps=max_steps,
                          record_history=record_history)
+
+
+# Counts: the scale, the setup's ||r||^2 (the first rho), and two per step (one
+# with method="one_sync").
+register_solver(bicgstab, nonsymmetric=True, newton=True, variants=(
+    Variant("bicgstab", {}, "bicgstab", (4, 8, 2)),
+    Variant("bicgstab_one_sync", {"method": "one_sync"}, "bicgstab", (3, 6, 1)),
+), rows=(
+    Row("BiCGStab"),
+    Row("BiCGStab, method='one_sync'", {"method": "one_sync"}),
+    Row("shard_map: BiCGStab (axis_name)", {}, "shard_map"),
+    Row("shard_map: BiCGStab one_sync (axis_name)", {"method": "one_sync"}, "shard_map"),
+))

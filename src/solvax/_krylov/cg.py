@@ -11,6 +11,8 @@ import jax.numpy as jnp
 
 from .._core import checks, contract, driver, tree
 from .._core.contract import Outcome, Problem
+from .._core.options import documented
+from .._core.registry import Row, Variant, register_solver
 from .._core.solution import Solution
 from . import recycling, sstep, steps
 from .cg_steps import (
@@ -88,6 +90,7 @@ METHOD_NAMES = (*_STEPS, "s_step")
 CG = driver.register(contract.Method("pcg", _run))
 
 
+@documented
 def pcg(
     matvec: Callable[[PyTree], PyTree],
     b: PyTree,
@@ -181,13 +184,8 @@ def pcg(
         matvec: `x -> A x` on pytrees shaped like `b`.
         b: right-hand side, an array or any pytree of arrays (leaves keep
             their sharding; no leaf is ever flattened).
-        x0: initial guess shaped like `b` (default zeros).
+        x0, rtol, atol, inner_product, axis_name, failed_derivative: the common options.
         precond: `r -> M r`, an HPD approximation of `A^{-1}` (default identity).
-        rtol, atol: stop when `||b - A x|| <= max(atol, rtol * ||b||)`. The
-            default `rtol` depends on the precision of `b`: `max(1e-8, 100 eps)`
-            for its least precise leaf,
-            1e-8 in float64 and 1.2e-5 in float32 (1e-8 is out of float32's
-            reach: its rounding level is 6e-8).
         max_steps: iteration limit (default `10 * size(b)`).
         single_reduction: use the one-reduction-per-step recurrence (the same
             as `method="single_reduction"`).
@@ -204,13 +202,6 @@ def pcg(
             default: `[0, 1.1 lmax]` with `lmax` the largest Ritz value seen.
         record_history: store the recursive residual norm of every step in
             `Solution.history` (length `max_steps + 1`, NaN after the end).
-        inner_product: a `solvax.InnerProduct` (or `(x, y) -> scalar`) used for
-            every product and norm, including the stopping test.
-        failed_derivative: `"nan"` (default): a derivative (`jax.grad`,
-            `jax.jvp`) whose tangent or transposed solve did not converge is
-            NaN, so a finite derivative is a correct one; `"keep"`: as computed.
-        axis_name: inside `shard_map`, the mesh axis the vectors are split over
-            (shorthand for `inner_product=InnerProduct(axis_name=...)`).
         recycle: the space of a previous solve (`Solution.recycle` of `pcg`
             or `gcrot`): deflated CG with it (its size is `k`).
         recycle_size: `k`, the recycled space's size (>= 1): deflated CG from
@@ -310,3 +301,45 @@ def pcg_linear_solve(matvec: Callable[[PyTree], PyTree], b: PyTree, **pcg_option
     Reference: as `pcg`.
     """
     return pcg(matvec, b, **pcg_options)
+
+
+# Counts (the tests' variants): every solve takes one max |b_i| before the loop
+# (the power-of-two scale that keeps its norms in range; `driver._scaled`).
+# PCG: <p, Ap> and the fused [<r, z>, <r, r>]; with x0=None ||b|| is the first
+# step's <r, r>. Single reduction and pipelined: one stacked reduction per step
+# (residual replacement adds matvecs, no reduction; every 10 steps: in single
+# precision on the condition-660 1-D Poisson test, every 20 steps breaks down on
+# jax 0.4.38, docs/krylov.md). Deflated CG from an empty space of 4: the scale,
+# the start's [U^H r, ||b||^2] and two per step (the projections C^H z in the
+# second); the next space's Gram matrix after the loop is dropped when only x is
+# used. s-step: one stacked Gram reduction per outer step of s CG steps (s = 3:
+# an odd block and a Chebyshev recurrence with both terms; the table pins 4, 8).
+_S4 = {"method": "s_step", "s": 4}
+register_solver(pcg, nonsymmetric=False, newton=True, variants=(
+    Variant("pcg", {}, "pcg", (3, 6, 2)),
+    Variant("pcg_single_reduction", {"single_reduction": True}, "pcg", (2, 4, 1)),
+    Variant("pcg_pipelined", {"method": "pipelined"}, "pcg", (2, 4, 1)),
+    Variant("pcg_pipelined_replacement", {"method": "pipelined", "residual_replacement": 10},
+            "pcg", (2, 4, 1)),
+    Variant("pcg_recycled", {"recycle_size": 4}, "pcg", (4, 10, 2)),
+    Variant("pcg_s_step", {"method": "s_step", "s": 3}, "pcg_s_step", (2, 4, 1)),
+), rows=(
+    Row("PCG"),
+    Row("PCG, single_reduction=True", {"single_reduction": True}),
+    Row("PCG, pipelined", {"method": "pipelined"}),
+    Row("PCG, s_step s=4 (a step = 4 CG iterations)", _S4),
+    Row("PCG, s_step s=8 (a step = 8 CG iterations)", {"method": "s_step", "s": 8}),
+    Row("PCG + Jacobi", {}, "jacobi"),
+    Row("PCG, single_reduction + Jacobi", {"method": "single_reduction"}, "jacobi"),
+    Row("PCG, pipelined + Jacobi", {"method": "pipelined"}, "jacobi"),
+    Row("PCG, s_step s=4 + Jacobi", _S4, "jacobi"),
+    Row("shard_map: PCG, single_reduction (axis_name)", {"single_reduction": True}, "shard_map"),
+    Row("shard_map: PCG, pipelined (axis_name)", {"method": "pipelined"}, "shard_map"),
+    Row("shard_map: PCG, s_step s=4 (axis_name)", _S4, "shard_map"),
+    Row("pytree PCG, P('i') + P(None,'i') leaves", {}, "pytree"),
+    Row("pytree PCG single_reduction, P('i') + P(None,'i')", {"single_reduction": True},
+        "pytree"),
+    Row("pytree PCG s_step s=4, P('i') + P(None,'i')", _S4, "pytree"),
+))
+register_solver(pcg_linear_solve, nonsymmetric=False,
+                variants=(Variant("pcg_linear_solve", {}, "pcg", (3, 6, 2)),))

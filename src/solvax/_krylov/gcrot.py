@@ -8,6 +8,8 @@ from typing import Any
 
 from .._core import checks, contract, driver, tree
 from .._core.contract import Outcome, Problem
+from .._core.options import documented
+from .._core.registry import Row, Variant, register_solver
 from .._core.solution import Solution
 from . import gmres, recycling
 from .arnoldi import make_arnoldi
@@ -51,6 +53,7 @@ def _run(problem: Problem, *, m: int, k: int, max_restarts: int | None,
 GCROT = driver.register(contract.Method("gcrot", _run))
 
 
+@documented
 def gcrot(
     matvec: Callable[[PyTree], PyTree],
     b: PyTree,
@@ -106,18 +109,13 @@ def gcrot(
     Args:
         matvec: `x -> A x` on pytrees shaped like `b`.
         b: right-hand side, an array or any pytree of arrays.
-        x0: initial guess shaped like `b` (default zeros).
+        x0, rtol, atol, inner_product, axis_name, failed_derivative: the common options.
         precond: `v -> M v`, a right preconditioner (may vary between calls).
         m: Arnoldi steps per cycle.
         k: size of the recycled space, `1 <= k < m`.
         recycle: the space of a previous solve (`Solution.recycle`), or None.
         max_restarts: cycle limit (default `ceil(10 * size(b) / m)`).
-        rtol, atol: stop when `||b - A x|| <= max(atol, rtol * ||b||)`
-            (default `rtol` as for `gmres`).
         record_history: store the residual norm per accepted step (as `gmres`).
-        inner_product: a `solvax.InnerProduct` (or `(x, y) -> scalar`).
-        axis_name: inside `shard_map`, the mesh axis the vectors are split over.
-        failed_derivative: `"nan"` (default) or `"keep"`, as for `gmres`.
         adjoint_recycle: hand this solve's final space to the transposed
             solve of a derivative (default), or start that from an empty one.
 
@@ -157,3 +155,14 @@ def gcrot(
                          adjoint_data=(lambda out: out.recycle) if adjoint_recycle else None,
                          m=int(m), k=int(k),
                          max_restarts=max_restarts, record_history=record_history)
+
+
+# Counts: as GMRES (the restart's reduction carries C^H r), plus the harmonic
+# update's Gram matrix per cycle (in a conditional of the restart loop: 3 in
+# loops, 1 per Arnoldi step); the adjoint refreshes the forward space for A^T
+# (2 more); from recycle=None no refresh of a given space.
+register_solver(gcrot, nonsymmetric=True, newton=True, limit="max_restarts", cycle="m",
+                variants=(Variant("gcrot", {"m": 12, "k": 4}, "gcrot", (4, 10, 3)),), rows=(
+    Row("GCRO-DR gcrot(m=16, k=4) (recycled space)", {"m": 16, "k": 4}),
+    Row("shard_map: gcrot(m=16, k=4) (axis_name)", {"m": 16, "k": 4}, "shard_map"),
+))

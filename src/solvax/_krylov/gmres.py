@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from .._core import checks, contract, driver, reduce, tree
 from .._core.contract import Outcome, Problem
 from .._core.dense import mm
+from .._core.options import documented
+from .._core.registry import Row, Variant, register_solver
 from .._core.solution import RUNNING, Solution, Status, code, first_status
 from . import steps
 from .arnoldi import PyTree, least_squares, make_arnoldi, record
@@ -191,6 +193,7 @@ def _pad(y, basis):
     return jnp.pad(y, (0, rows - y.shape[0]))
 
 
+@documented
 def gmres(
     matvec: Callable[[PyTree], PyTree],
     b: PyTree,
@@ -245,26 +248,16 @@ def gmres(
         matvec: `x -> A x` on pytrees shaped like `b`.
         b: right-hand side, an array or any pytree of arrays (leaves keep
             their sharding; the basis is built leaf by leaf).
-        x0: initial guess shaped like `b` (default zeros).
+        x0, rtol, atol, inner_product, axis_name, failed_derivative: the common options.
         precond: `v -> M v`, a right preconditioner (default identity); may be
             nonlinear or vary between calls (flexible GMRES).
         restart: Arnoldi steps per cycle (basis size).
         max_restarts: cycle limit (default `ceil(10 * size(b) / restart)`).
-        rtol, atol: stop when `||b - A x|| <= max(atol, rtol * ||b||)`. The
-            default `rtol` depends on the precision of `b`: `max(1e-8, 100 eps)`
-            for its least precise leaf,
-            1e-8 in float64 and 1.2e-5 in float32 (1e-8 is out of float32's
-            reach: its rounding level is 6e-8).
         orthogonalization: `"one_sync"` (one reduction per step) or `"cgs2"` (two).
         record_history: store the residual norm after every accepted step in
             `Solution.history` (the true norm at each restart, the
             least-squares estimate within a cycle; NaN-padded to
             `max_restarts * restart + restart + 1`).
-        inner_product: a `solvax.InnerProduct` (or `(x, y) -> scalar`).
-        failed_derivative: `"nan"` (default): a derivative (`jax.grad`,
-            `jax.jvp`) whose tangent or transposed solve did not converge is
-            NaN, so a finite derivative is a correct one; `"keep"`: as computed.
-        axis_name: inside `shard_map`, the mesh axis the vectors are split over.
 
     Returns:
         A `Solution`; `iterations` counts accepted Arnoldi steps (columns of
@@ -294,3 +287,19 @@ def gmres(
                          failed_derivative=failed_derivative, restart=int(restart),
                          max_restarts=max_restarts, orthogonalization=orthogonalization,
                          record_history=record_history)
+
+
+# Counts: the scale, the restart's fused [||r||^2, ||b||^2] plus, per Arnoldi
+# step, one stacked projection (one_sync, the default) or two (CGS2).
+register_solver(gmres, nonsymmetric=True, newton=True, limit="max_restarts", cycle="restart",
+                variants=(
+    Variant("gmres", {"restart": 20}, "gmres", (3, 6, 2)),
+    Variant("gmres_cgs2", {"restart": 20, "orthogonalization": "cgs2"}, "gmres", (4, 8, 3)),
+    Variant("gmres_restart5", {"restart": 5}, "gmres", (3, 6, 2)),
+    Variant("gmres_cgs2_restart5", {"restart": 5, "orthogonalization": "cgs2"}, "gmres",
+            (4, 8, 3)),
+), rows=(
+    Row("FGMRES(16), CGS2 orthogonalization", {"restart": 16, "orthogonalization": "cgs2"}),
+    Row("shard_map: FGMRES(16) (axis_name)", {"restart": 16}, "shard_map"),
+    Row("pytree FGMRES(16), P('i') + P(None,'i') leaves", {"restart": 16}, "pytree"),
+))

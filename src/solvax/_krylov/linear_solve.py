@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -9,8 +10,11 @@ import jax
 
 from .._core import checks
 from .._core.closure import close, transposed
-from .._core.implicit import FAILED_DERIVATIVES, implicit_solve, solution_of, solved_ok
+from .._core.implicit import implicit_solve, solution_of, solved_ok
+from .._core.options import checked_failed_derivative
+from .._core.registry import Row, register_solver
 from .._core.validation import make_problem
+from .gmres import gmres
 
 PyTree = Any
 Solver = Callable[[Callable[[PyTree], PyTree], PyTree], Any]
@@ -81,7 +85,7 @@ def linear_solve(
         if (fn is not None or name == "solver") and not callable(fn):
             raise TypeError(f"`{name}` must be a function `(matvec, b) -> x`; got {fn!r}.")
     checks.check_flag("symmetric", symmetric)
-    checks.check_choice("failed_derivative", failed_derivative, FAILED_DERIVATIVES)
+    checked_failed_derivative(failed_derivative)
     problem = make_problem(matvec, b)
     A = problem.A
     # The user's solvers may close over anything: closing them makes those values
@@ -94,3 +98,7 @@ def linear_solve(
                            "b", problem.b)
     return implicit_solve(problem._replace(data=(primal, dual)), _primal, _dual,
                           failed_derivative)
+
+
+register_solver(linear_solve, nonsymmetric=True, rows=(
+    Row("FGMRES(16) via linear_solve", {"solver": functools.partial(gmres, restart=16)}),))

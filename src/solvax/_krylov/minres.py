@@ -12,6 +12,8 @@ from jax import lax
 
 from .._core import contract, driver, reduce, tree
 from .._core.contract import Outcome, Problem
+from .._core.options import documented
+from .._core.registry import Row, Variant, register_solver
 from .._core.solution import RUNNING, Solution, Status, code, first_status
 from . import steps
 from .steps import negligible, nonzero
@@ -202,6 +204,7 @@ def _run(problem: Problem, *, max_steps: int | None, record_history: bool) -> Ou
 MINRES = driver.register(contract.Method("minres", _run))
 
 
+@documented
 def minres(
     matvec: Callable[[PyTree], PyTree],
     b: PyTree,
@@ -253,18 +256,13 @@ def minres(
     Args:
         matvec: `x -> A x`, Hermitian, on pytrees shaped like `b`.
         b: right-hand side (array or pytree; each leaf keeps its sharding).
-        x0: initial guess shaped like `b` (default zeros).
+        x0, rtol, atol, inner_product, axis_name, failed_derivative: the common options.
         precond: `v -> M v` with `M` Hermitian positive definite (default identity).
-        rtol, atol: stop when `||b - A x|| <= max(atol, rtol * ||b||)`; the
-            default `rtol` is `max(1e-8, 100 eps)` of the least precise leaf.
         max_steps: step limit (default `10 * size(b)`); one matvec per step.
         record_history: the QR's residual estimate `||b - A x||_M` at the
             start of every step in `Solution.history` (length `max_steps + 1`).
         inner_product: a `solvax.InnerProduct` (or `(x, y) -> scalar`); `A`
             and `M` must be self-adjoint in it.
-        axis_name: inside `shard_map`, the mesh axis the vectors are split over.
-        failed_derivative: `"nan"` (default): a derivative whose solve did not
-            converge is NaN; `"keep"`: as computed.
 
     Returns:
         A `Solution`; `iterations` counts Lanczos steps (matvecs).
@@ -284,3 +282,13 @@ def minres(
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, max_steps=max_steps,
                          record_history=record_history)
+
+
+# Counts: the scale, the setup's ||b||^2, one per Lanczos step (the inner loop),
+# and the true residual of each round (the outer loop, like GMRES's restarts).
+register_solver(minres, nonsymmetric=False, newton=True,
+                variants=(Variant("minres", {}, "minres", (4, 8, 2)),), rows=(
+    Row("MINRES"),
+    Row("shard_map: MINRES (axis_name)", {}, "shard_map"),
+    Row("pytree MINRES, P('i') + P(None,'i') leaves", {}, "pytree"),
+))

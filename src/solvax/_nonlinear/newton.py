@@ -15,7 +15,9 @@ from jax import lax
 from .._core import checks, reduce, tree
 from .._core.closure import Closed, close, transposed
 from .._core.contract import Problem, as_option, invalid_tolerances, option_value
-from .._core.implicit import FAILED_DERIVATIVES, solution_checked, solved_ok
+from .._core.implicit import solution_checked, solved_ok
+from .._core.options import SET_BY_NEWTON, checked_failed_derivative
+from .._core.registry import SOLVERS, newton_solvers
 from .._core.solution import RUNNING, Status, checked, code, describe, first_status
 from .._core.validation import (
     check_reduced_over,
@@ -24,29 +26,22 @@ from .._core.validation import (
     resolved_inner_product,
 )
 from .._krylov import recycling
-from .._krylov.bicgstab import bicgstab
-from .._krylov.cg import pcg
 from .._krylov.gcrot import K as GCROT_K
 from .._krylov.gcrot import M as GCROT_M
-from .._krylov.gcrot import gcrot, space_size
-from .._krylov.gmres import gmres
-from .._krylov.idrs import idrs
-from .._krylov.minres import minres
+from .._krylov.gcrot import space_size
 
 PyTree = Any
 
-#: The inner solvers by name (`solver=`).
-LINEAR_SOLVERS = {"gmres": gmres, "bicgstab": bicgstab, "idrs": idrs, "pcg": pcg,
-                  "minres": minres, "gcrot": gcrot}
+#: The inner solvers by name (`solver=`): the registered solvers marked `newton`.
+LINEAR_SOLVERS = newton_solvers()
+#: A restart cycle's length where an inner solver's own default is not known here.
+CYCLE = 30
 EISENSTAT_WALKER = "eisenstat_walker"
 #: Eisenstat–Walker choice 2, `eta_k = GAMMA (||F_k|| / ||F_k-1||)^2`, at most ETA_MAX
 #: (the first step's forcing term), with Kelley's safeguards (`_forcing`).
 GAMMA, ETA_MAX = 0.9, 0.9
 #: Sufficient decrease: `||F(u + t d)|| <= (1 - ARMIJO t (1 - eta)) ||F(u)||`.
 ARMIJO = 1e-4
-#: The options of an inner solver that `newton_krylov` sets itself.
-_RESERVED = ("x0", "precond", "rtol", "atol", "max_steps", "max_restarts", "inner_product",
-             "axis_name", "failed_derivative", "record_history", "recycle")
 
 
 _MESSAGES = {
@@ -140,9 +135,9 @@ def _linear(opt: _Options, A, rhs, M, rtol, ip, capped=True, recycle=None):
     if recycle is not None:
         options["recycle"] = recycle
     if capped and opt.max_inner is not None:
-        if opt.solver in ("gmres", "gcrot"):
-            key = "restart" if opt.solver == "gmres" else "m"
-            restart = min(options.get(key, 30), opt.max_inner)
+        key = SOLVERS[opt.solver].cycle
+        if key is not None:
+            restart = min(options.get(key, CYCLE), opt.max_inner)
             if opt.solver == "gcrot":
                 restart = max(restart, options.get("k", GCROT_K) + 1)
             options.update({key: restart, "max_restarts": -(-opt.max_inner // restart)})
@@ -438,7 +433,7 @@ def _options(solver, solver_options, precond, precond_builder, refresh, forcing,
     if not isinstance(solver_options, dict):
         raise TypeError(f"`solver_options` must be a dict of options of `{solver}`; "
                         f"got {type(solver_options).__name__}.")
-    reserved = sorted(set(solver_options) & set(_RESERVED))
+    reserved = sorted(set(solver_options) & set(SET_BY_NEWTON))
     if reserved:
         raise ValueError(f"`solver_options` may not set {reserved}: `newton_krylov` sets them "
                          "(use its `precond`, `max_inner`, `forcing`, `inner_product`, "
@@ -457,7 +452,7 @@ def _options(solver, solver_options, precond, precond_builder, refresh, forcing,
         checks.check_int("max_inner", max_inner, 1)
     checks.check_int("max_steps", max_steps, 0)
     checks.check_int("max_backtracks", max_backtracks, 0)
-    checks.check_choice("failed_derivative", failed_derivative, FAILED_DERIVATIVES)
+    checked_failed_derivative(failed_derivative)
     kind = "fixed" if precond is not None else "builder" if precond_builder is not None else None
     return _Options(solver=solver, solver_options=tuple(sorted(solver_options.items())),
                     forcing=forcing, max_inner=max_inner, max_steps=max_steps,

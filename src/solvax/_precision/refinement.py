@@ -3,6 +3,7 @@ narrower one (`iterative_refinement`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -12,8 +13,11 @@ import jax.numpy as jnp
 from .._core import checks, contract, driver, reduce, tree, validation
 from .._core.closure import Closed, apply_transposed, transposed
 from .._core.contract import Outcome, Problem
+from .._core.options import documented
+from .._core.registry import Row, Variant, register_solver
 from .._core.solution import RUNNING, Solution, Status, first_status
 from .._krylov import steps
+from .._krylov.gmres import gmres
 from . import narrowing
 
 PyTree = Any
@@ -129,6 +133,7 @@ def _run(problem: Problem, *, solver, inner_dtype, inner_rtol: float, max_refine
 REFINEMENT = driver.register(contract.Method("iterative_refinement", _run))
 
 
+@documented
 def iterative_refinement(
     matvec: Callable[[PyTree], PyTree],
     b: PyTree,
@@ -186,17 +191,14 @@ def iterative_refinement(
             width), narrower than `b`'s for any saving.
         inner_matvec: `d -> A d` in `inner_dtype`, for operators that cannot
             be narrowed automatically.
-        x0: initial guess (default zeros).
+        x0, rtol, atol, inner_product, axis_name, failed_derivative: the common options.
         precond: a preconditioner for the inner solves.
-        rtol, atol: the tolerance on the true residual in `b`'s precision
-            (default `rtol` as for the solvers: 1e-8 in float64).
         inner_rtol: each correction's relative tolerance (default 1e-4:
             4 orders per step; at least 10 times the inner unit roundoff).
         max_refinements: the most refinement steps (>= 0).
         record_history: the true residual before each step in `history`.
         inner_product, axis_name: as for the solvers (a `solvax.InnerProduct`;
             a function is refused: it cannot be narrowed).
-        failed_derivative: `"nan"` (default) or `"keep"`, as for the solvers.
 
     Returns:
         A `Solution`; `iterations` counts refinement steps (each one inner
@@ -241,3 +243,16 @@ def iterative_refinement(
                          failed_derivative=failed_derivative, data=data,
                          solver=solver, inner_dtype=inner_dtype, inner_rtol=float(inner_rtol),
                          max_refinements=max_refinements, record_history=record_history)
+
+
+# Counts: around GMRES (nonsymmetric operators), corrections in float32: the
+# scale and the setup's [||b||^2, ||r||^2, ||x||^2]; per refinement step the
+# step's [||r||^2, ||x||^2] and the inner GMRES's scale (the refinement loop),
+# its restart (the restart loop) and one per Arnoldi step (the innermost loop).
+register_solver(iterative_refinement, nonsymmetric=True, limit="max_refinements", variants=(
+    Variant("iterative_refinement", {"solver": functools.partial(gmres, restart=20)},
+            "iterative_refinement", (6, 12, 4)),
+), rows=(
+    Row("iterative_refinement, float32 FGMRES(16) corrections",
+        {"solver": functools.partial(gmres, restart=16)}),
+))

@@ -14,7 +14,7 @@ from ..stencil import StencilOperator
 from .coarse import global_size
 from .fusion import computed
 from .galerkin import galerkin_operator
-from .levels import Level, Tail, cropped, jitted
+from .levels import Level, Tail, cropped, jitted, padded_to
 from .smoothers import smoothing_data
 from .transfer import coarse_shape, make_transfer
 
@@ -130,12 +130,12 @@ def _tail(op: StencilOperator, shapes: tuple, axes: tuple):
     per level: `lambda_max` (Lanczos inside the level's grid), the transfer
     and the Galerkin operator, padded back to the first level's shape."""
     padded = shapes[0]
-    op = padded(op, padded)   # its arrays full-sized, the offsets sorted
+    op = padded_to(op, padded)   # its arrays full-sized, the offsets sorted
 
     def body(op, region):
         lmax = smoothing_data(op, True, region)
         transfer = make_transfer(op, axes)
-        return padded(galerkin_operator(op, transfer, lmax), padded), Level(op, lmax, transfer)
+        return padded_to(galerkin_operator(op, transfer, lmax), padded), Level(op, lmax, transfer)
 
     regions = jnp.asarray(np.array(shapes[:-1], np.int32))
     last, levels = jax.lax.scan(body, op, regions)

@@ -99,7 +99,7 @@ def cropped(op: StencilOperator, shape: tuple) -> StencilOperator:
     return StencilOperator(stored, shape, op.boundary, op.axis_names, op.symmetric)
 
 
-def padded(op: StencilOperator, shape: tuple) -> StencilOperator:
+def padded_to(op: StencilOperator, shape: tuple) -> StencilOperator:
     """`op` in the low corner of a grid of `shape`: the identity outside it (the
     centre 1, every other entry 0). Its entries pointing outside the grid are
     0 already (a Galerkin operator couples to nothing outside)."""
