@@ -2,19 +2,43 @@
 reference, every page in the navigation, every figure it shows on disk.
 (`mkdocs build --strict` in `.ci/run` checks links and docstrings.)"""
 
+import importlib
+import inspect
 import pathlib
 import re
 
 import solvax as sx
+from solvax._core import registry
+from solvax._core.options import COMMON
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
 
 def test_api_reference_lists_every_public_name():
-    listed = set(re.findall(r"^::: solvax\.(\w+)", (DOCS / "api.md").read_text(), re.M))
+    """Each entry under the package that defines it (`::: solvax._pkg.module.name`)
+    is the public `sx.name`."""
+    paths = re.findall(r"^::: (solvax[\w.]*)$", (DOCS / "api.md").read_text(), re.M)
+    listed = {path.rsplit(".", 1)[-1] for path in paths}
     assert set(sx.__all__) <= listed, set(sx.__all__) - listed
     assert listed - set(sx.__all__) == {"distributed"}
+    for path in paths:
+        module, name = path.rsplit(".", 1)
+        if name != "distributed":
+            assert getattr(importlib.import_module(module), name) is getattr(sx, name), path
+
+
+def test_api_reference_states_the_common_options_of_the_registry():
+    """The common options' entries (`_core.options.COMMON`, inserted into every
+    solver's docstring) are the API reference's list, and every registered
+    solver's docstring holds them."""
+    page = (DOCS / "api.md").read_text()
+    for names, text in COMMON.items():
+        assert f"- `{names}`: {text}" in page, names
+    for solver in registry.SOLVERS.values():
+        taken = inspect.signature(solver.function).parameters
+        if "failed_derivative" in taken and "x0" in taken:
+            assert COMMON["rtol, atol"] in " ".join(solver.function.__doc__.split()), solver.name
 
 
 def test_every_page_is_in_the_navigation():
