@@ -1,6 +1,6 @@
 """The Krylov driver: one contract for every iterative method.
 
-A *method* is one private module (`_cg.py`, `_gmres.py`, ...) that registers a
+A *method* is one module of `_krylov` (`cg.py`, `gmres.py`, ...) that registers a
 `Method` here and whose public function validates its own static options and
 calls `solve`. Everything around the iteration lives in this module, once:
 
@@ -41,13 +41,15 @@ The contract a method keeps:
 - Options shared by several methods are checked once (`options.py`:
   `max_steps`, `record_history`, `failed_derivative`); a method checks only its own.
 - The small mechanisms of a step (safe division, the rounding-level test,
-  the typed loop, confirmation on the true residual) are in `_method.py`;
+  the typed loop, confirmation on the true residual) are in `_krylov/steps.py`;
   the start from `x0` and the stopping threshold are `Problem.start` /
   `Problem.residual` / `Problem.settled` and `threshold` here.
 
 Adding a method: write `run`, register `Method(name, run)`, call
-`solve(method, ...)` from the public function, export it in `__init__.py`,
-and add one entry to `tests/helpers.py::SOLVERS`.
+`solve(method, ...)` from the public function, and register that function
+once (`registry.register_solver`, with its test variants and table rows):
+the export, Newton's choices, the table and the generic tests follow
+(`docs/architecture.md`).
 """
 
 from __future__ import annotations

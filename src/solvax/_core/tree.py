@@ -2,7 +2,7 @@
 
 Every function here acts on each leaf separately and never ravels, reshapes to
 1-D or concatenates leaves, so each leaf keeps its own sharding. Reductions
-(inner products, norms) live in `_reduce.py`, not here.
+(inner products, norms) live in `reduce.py`, not here.
 
 A *basis* is a pytree whose leaves carry one extra leading axis of length m
 (the basis index); it is allocated from an operand so every leaf inherits that

@@ -58,7 +58,7 @@ def resolved_inner_product(inner_product, axis_name, like) -> reduce.Reduction:
 
 def closed_operator(name: str, fn, b, arg: str = "b", linear: bool = False) -> Closed:
     """`fn` as a `Closed`, its output checked against `b` and, with `linear`,
-    its program checked linear in its argument (`_linearity`), both on one
+    its program checked linear in its argument (`linearity.py`), both on one
     trace of the converted function (the user's function is traced once);
     `arg`: `b`'s name in errors."""
     checks.check_callable(name, fn)

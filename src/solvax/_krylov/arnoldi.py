@@ -325,7 +325,7 @@ def _new_cycle(one_sync: bool, V, Z, r, beta, anorm, go, m: int, dtype, offset: 
     normalizes (`c = 0`, `nu = ||r||`); CGS2 starts from `r / beta`.
 
     `offset > 0` (one-sync only): rows `0..offset-1` of `V` and `Z` hold a
-    recycled pair `C`, `U` with `A U = C` (`_gcrot`). They are the first
+    recycled pair `C`, `U` with `A U = C` (`gcrot.py`). They are the first
     `offset` columns of the Arnoldi relation `A [U, Z] = [C, V] H`, already
     final: `H` starts as the identity there, so every step orthogonalizes
     against `C` in its one reduction and the least squares minimizes over

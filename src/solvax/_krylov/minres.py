@@ -234,7 +234,7 @@ def minres(
     carried unnormalized (`r_k`, `z_k = M r_k`), so `a = A z_k` is known before
     either coefficient and one reduction of 2 scalars, `[<r_k, z_k>, <z_k, a>]`,
     gives `beta_k` and `alpha_k` each from its own product (see
-    `_minres._step`); the Givens update of `x` lags one step behind. One
+    `_step`); the Givens update of `x` lags one step behind. One
     matvec and one preconditioner application per step.
 
     Stopping: the QR gives `||b - A x||_M` for free; when it meets the

@@ -1,6 +1,6 @@
 """The small mechanisms every Krylov method module uses, in one place.
 
-A method (see `_driver`) is written from the driver's contract and these:
+A method (see `_core/driver.py`) is written from the driver's contract and these:
 
 - `nonzero`, `masked_div`: divisions whose divisor may be zero where the
   result is not used (the step is flagged as a breakdown or not taken).

@@ -2,7 +2,7 @@
 
 Row block `j` reads `L_j x_{j-1} + D_j x_j + U_j x_{j+1} = r_j` with `m x m`
 blocks. Block elimination without pivoting *between* blocks, each pivot block
-factored with partial pivoting (`_dense.lu_factor`), writes `A = L^ U^`:
+factored with partial pivoting (`dense.lu_factor`), writes `A = L^ U^`:
 
     L^ = block lower bidiagonal: S_j on the diagonal, L_j below,
     U^ = block upper bidiagonal: I on the diagonal, C_j above,
@@ -44,7 +44,7 @@ class BlockTridiagonalFactors(NamedTuple):
     diag: jax.Array
     upper: jax.Array
     lu: jax.Array  # (n, m, m): LU of the pivot blocks S_j (packed: L below the diagonal)
-    pivots: jax.Array  # (n, m): each pivot block's row permutation (`_dense.lu_factor`)
+    pivots: jax.Array  # (n, m): each pivot block's row permutation (`dense.lu_factor`)
     C: jax.Array  # (n, m, m): S_j^{-1} U_j
 
 
