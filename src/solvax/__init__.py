@@ -27,10 +27,10 @@ from ._krylov.recycling import RecycleSpace as RecycleSpace
 from ._nonlinear.newton import NewtonSolution as NewtonSolution
 from ._nonlinear.newton import newton_krylov as newton_krylov
 from ._precision.narrowing import mixed_precision as mixed_precision
-from ._preconditioners.jacobi import block_jacobi as block_jacobi
-from ._preconditioners.jacobi import chebyshev as chebyshev
-from ._preconditioners.jacobi import estimate_spectrum as estimate_spectrum
-from ._preconditioners.jacobi import jacobi as jacobi
+from ._preconditioners.diagonal import block_jacobi as block_jacobi
+from ._preconditioners.diagonal import jacobi as jacobi
+from ._preconditioners.polynomial import chebyshev as chebyshev
+from ._preconditioners.polynomial import estimate_spectrum as estimate_spectrum
 from ._structured.block_tridiagonal import BlockTridiagonalFactors as BlockTridiagonalFactors
 from ._structured.block_tridiagonal import banded_solve as banded_solve
 from ._structured.block_tridiagonal import block_tridiagonal_factor as block_tridiagonal_factor

@@ -26,7 +26,7 @@ from .._grid.stationary import multigrid_solve
 from .._grid.stencil import diffusion_operator
 from .._krylov.cg import pcg
 from .._nonlinear.newton import newton_krylov
-from .._preconditioners.jacobi import jacobi
+from .._preconditioners.diagonal import jacobi
 from .._structured.block_tridiagonal import block_tridiagonal_solve
 from .._structured.partitioned import (
     partitioned_block_tridiagonal_solve,

@@ -13,7 +13,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from ..._preconditioners import jacobi
+from ..._preconditioners.polynomial import estimate_spectrum
 from ..stencil import StencilOperator, global_index
 from .fusion import computed
 from .levels import Level, dinv
@@ -100,7 +100,7 @@ def _ritz_values(op: StencilOperator, steps: int, region=None):
         v = jnp.where(inside, v, 0)
     root = jnp.sqrt(jnp.abs(1 / diag))
     names = tuple(name for name in op.axis_names if name is not None)
-    return jacobi.estimate_spectrum(lambda u: root * op(root * u), v, steps=steps,
+    return estimate_spectrum(lambda u: root * op(root * u), v, steps=steps,
                                       axis_name=names or None)
 
 
