@@ -32,7 +32,7 @@ def _modules():
 
 def _imports(name: str, tree):
     """`(target module, imported names)` of every solvax import in a module."""
-    package = name.split(".")[:-1] if not name.endswith("__init__") else name.split(".")[:-1]
+    package = name.split(".")[:-1]   # a package's __init__ imports relative to the package
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level:
             base = package[:len(package) - node.level + 1]

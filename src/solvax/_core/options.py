@@ -58,8 +58,9 @@ def documented(fn):
         raise ValueError(f"{fn.__name__}'s docstring must hold the common-options marker once")
     indent = lines[at[0]][:len(lines[at[0]]) - len(lines[at[0]].lstrip())]
     taken = inspect.signature(fn).parameters
-    own = {line.strip().split(":")[0] for line in lines if line.startswith(indent + " ") is False
-           and line.startswith(indent) and ":" in line}
+    # the entries the docstring gives itself (an option with a meaning of its own there)
+    own = {line.split(":")[0].strip() for line in lines
+           if line.startswith(indent) and line[len(indent):][:1].strip() and ":" in line}
     entries = []
     for names, text in COMMON.items():
         if names not in own and all(name.strip() in taken for name in names.split(",")):

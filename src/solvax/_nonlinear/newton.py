@@ -5,6 +5,7 @@ search on `||F||`, and roots differentiated by the implicit function theorem."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -34,8 +35,6 @@ PyTree = Any
 
 #: The inner solvers by name (`solver=`): the registered solvers marked `newton`.
 LINEAR_SOLVERS = newton_solvers()
-#: A restart cycle's length where an inner solver's own default is not known here.
-CYCLE = 30
 EISENSTAT_WALKER = "eisenstat_walker"
 #: Eisenstat–Walker choice 2, `eta_k = GAMMA (||F_k|| / ||F_k-1||)^2`, at most ETA_MAX
 #: (the first step's forcing term), with Kelley's safeguards (`_forcing`).
@@ -135,9 +134,11 @@ def _linear(opt: _Options, A, rhs, M, rtol, ip, capped=True, recycle=None):
     if recycle is not None:
         options["recycle"] = recycle
     if capped and opt.max_inner is not None:
-        key = SOLVERS[opt.solver].cycle
-        if key is not None:
-            restart = min(options.get(key, CYCLE), opt.max_inner)
+        solver = SOLVERS[opt.solver]
+        if solver.cycle is not None:    # the cycle's length: given, or the solver's default
+            key = solver.cycle
+            default = inspect.signature(solver.function).parameters[key].default
+            restart = min(options.get(key, default), opt.max_inner)
             if opt.solver == "gcrot":
                 restart = max(restart, options.get("k", GCROT_K) + 1)
             options.update({key: restart, "max_restarts": -(-opt.max_inner // restart)})

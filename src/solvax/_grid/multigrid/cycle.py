@@ -4,13 +4,11 @@ treatment at the bottom."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from .coarse import CoarseSolve
-from .fusion import computed, scan_unroll
+from .fusion import scan_unroll
 from .levels import Level, Tail, crop_grid, pad_grid
 from .smoothers import SMOOTHERS
 
@@ -101,7 +99,7 @@ class Multigrid:
             e = self._cycle(levels, k + 1, rc, kind, tail)
         if kind != "V" and k + 2 < len(levels):
             again = "W" if kind == "W" else "V"
-            left = computed(level.lmax, lambda e: rc - coarse.op(e), e)
+            left = level.keep()(lambda e: rc - coarse.op(e), e)
             e = e + self._cycle(levels, k + 1, left, again)
         return self._up(level, x, r, e)
 
@@ -113,7 +111,7 @@ class Multigrid:
     def _down(self, level: Level, r):
         """A level's way down: `(x, rc)`, `x` smoothed from zero for `A x = r`
         and `rc` its residual restricted, each computed into memory."""
-        keep = functools.partial(computed, level.lmax)
+        keep = level.keep()
         x = self._smooth(level, None, r, post=False)
         residual = keep(lambda x: r - level.op(x), x)
         return x, keep(lambda res: level.transfer.restrict(res, keep), residual)
@@ -121,7 +119,7 @@ class Multigrid:
     def _up(self, level: Level, x, r, e):
         """A level's way up: the coarse correction `e` prolonged onto `x`, then
         smoothed for `A x = r`."""
-        keep = functools.partial(computed, level.lmax)
+        keep = level.keep()
         x = keep(lambda x, e: x + level.transfer.prolong(e, keep), x, e)
         return self._smooth(level, x, r, post=True)
 

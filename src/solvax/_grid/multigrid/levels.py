@@ -4,10 +4,13 @@ compiled steps."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from ..stencil import StencilOperator
+from .fusion import computed
 from .transfer import Transfer
 
 
@@ -32,6 +35,11 @@ class Level:
 
     def tree_flatten(self):
         return (self.op, self.lmax, self.transfer), None
+
+    def keep(self):
+        """`fn, *args -> fn(*args)` computed into memory before what reads it
+        (`fusion.computed`, keyed on this level's set-up value `lmax`)."""
+        return functools.partial(computed, self.lmax)
 
     @classmethod
     def tree_unflatten(cls, aux, leaves):

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 
 from ..._preconditioners.polynomial import estimate_spectrum
 from ..stencil import StencilOperator, global_index
-from .fusion import computed
 from .levels import Level, dinv
 
 # Jacobi's damping times lambda_max(D^-1 A), by grid dimension: the classic
@@ -127,19 +126,13 @@ def spectrum_bounds(op: StencilOperator, steps: int = 20):
     return lmin.astype(gershgorin.dtype), lmax
 
 
-def _keep(level: Level):
-    """`fn(*args)` computed into memory before what reads it (`fusion.computed`,
-    keyed on the level's set-up value)."""
-    return functools.partial(computed, level.lmax)
-
-
 @register_smoother("jacobi")
 def damped_jacobi(level: Level, x, r, *, steps: int, lower: float, post: bool):
     """Damped Jacobi, `omega = _JACOBI_DAMPING / lambda_max(D^-1 A)`. `D^{-1}`
     is a division by the stencil's centre inside each step (the step's
     stencil reads it anyway: one array less to read and to keep)."""
     omega = _JACOBI_DAMPING[min(level.op.ndim, 2)] / level.lmax.astype(jnp.abs(r).dtype)
-    keep = _keep(level)
+    keep = level.keep()
     for _ in range(steps):
         if x is None:
             x = keep(lambda: omega * dinv(level.op, r))
@@ -163,7 +156,7 @@ def gauss_seidel(level: Level, x, r, *, steps: int, lower: float, post: bool):
         colours = colours[::-1]
     masks = [functools.reduce(jnp.logical_and, [p == c for p, c in zip(parity, colour)])
              for colour in colours]
-    keep = _keep(level)
+    keep = level.keep()
     for _ in range(steps):
         for mask in masks:
             if x is None:
@@ -188,7 +181,7 @@ def chebyshev(level: Level, x, r, low, upper, steps: int):
     amplified: the polynomial stays in `(0, 1]` there, so the map
     `r -> x` from zero is SPD for an SPD operator. Also the coarsest level's
     treatment `coarse="chebyshev"` (`coarse.ChebyshevLevel`)."""
-    keep = _keep(level)
+    keep = level.keep()
     theta, delta = (upper + low) / 2, (upper - low) / 2
 
     def first(x):
