@@ -1,6 +1,11 @@
 """solvax against jax.scipy.sparse.linalg and lineax, same problems, same stopping rule.
 
     python benchmarks/benchmark_peers.py [--json PATH] [--plot PATH] [--small] [--only PART]
+                                         [--one-device]
+
+`--one-device` runs the process on one CPU device (no emulated mesh): the
+target the reduction layer's `stacks_products` rule gives separate sums
+(the mesh parts then have nothing to run on and are skipped).
 
 Stopping rule for everyone: 2-norm residual <= 1e-8 ||b|| (lineax: two_norm,
 rtol=0, atol=1e-8 ||b||); GMRES restart 30. Problems: 5-point Poisson 512 x 512
@@ -32,9 +37,13 @@ import functools
 import json
 import os
 import statistics
+import sys
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+ONE_DEVICE = "--one-device" in sys.argv
+if ONE_DEVICE:
+    sys.argv.remove("--one-device")
+elif "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
@@ -383,6 +392,8 @@ def main():
         S_VALUES = IDR_S_VALUES = (4,)
     rng = np.random.default_rng(0)
     meta = {"jax": jax.__version__, "lineax": getattr(lx, "__version__", None),
+            "devices": jax.device_count(),
+            "stacks_products": sx._core.reduce.stacks_products(),
             "cpu_count": os.cpu_count(), "load_average": os.getloadavg(),
             "repeats": REPEATS, "compile_repeats": COMPILE_REPEATS, "rtol": RTOL}
     print(meta)
@@ -428,13 +439,14 @@ def main():
         for solver in compiles[1]:
             print(f"  {solver:14s} " + " / ".join(f"{compiles[k][solver]:.3f}"
                                                  for k in compiles))
-    lat = (latency(4096) + ([] if args.small else latency(65536))) if part("latency") else []
+    mesh_part = lambda name: part(name) and not ONE_DEVICE  # noqa: E731
+    lat = (latency(4096) + ([] if args.small else latency(65536))) if mesh_part("latency") else []
     for r in lat:
         print(f"{r['problem']:40s} {r['solver']:36s} {r['ms_per_iteration']:8.4f} ms/it "
               f"({r['ratio_to_jax_scipy']:.2f}x jax.scipy, "
               f"{r['all_reduces_per_iteration']:g} all-reduces/it)")
     coarse = (multigrid_mesh((16,) if args.small else (64, 256))
-              if part("multigrid_mesh") else [])
+              if mesh_part("multigrid_mesh") else [])
     for r in coarse:
         print(f"{r['problem']:36s} coarsest {r['coarse']:9s} {r['iterations']:3d} iterations "
               f"{r['solve_s']:.4f} s, {r['ms_per_iteration']:.3f} ms/it, per step "

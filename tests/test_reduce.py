@@ -95,6 +95,43 @@ def test_k_products_one_psum_inside_shard_map():
     assert sx.count_collectives(f, x, y).total == 1
 
 
+def _stacked_shapes(jaxpr, shape):
+    """Shapes `(k, *shape)`, k > 1, that any equation of `jaxpr` (nested too) makes."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        found |= {tuple(v.aval.shape) for v in eqn.outvars
+                  if getattr(v.aval, "shape", ())[1:] == shape and v.aval.shape[0] > 1}
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found |= _stacked_shapes(sub, shape)
+    return found
+
+
+@pytest.mark.parametrize("stacks", [True, False])
+def test_one_device_products_are_separate_sums(stacks, monkeypatch):
+    """The pattern `stacks_products` rules: stacked, a step's products form a
+    `(k, n, n)` array before one sum (what an XLA:CPU mesh runs); separate
+    (one device, a GPU or TPU mesh), no vector-sized stack is made, which
+    XLA:CPU would write and read again (measured 2.8x a one-sync BiCGStab
+    step). Same answer either way."""
+    A = lambda x: x * jnp.linspace(1.0, 3.0, 32)[None, :]  # noqa: E731
+    b = jnp.ones((32, 32))
+    jax.clear_caches()
+    monkeypatch.setattr(_reduce, "stacks_products", lambda *a, **k: stacks)
+    try:
+        solve = lambda b: sx.pcg(A, b, single_reduction=True, rtol=1e-10)  # noqa: E731
+        jaxpr = jax.make_jaxpr(solve)(b)
+        solution = solve(b)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert bool(_stacked_shapes(jaxpr.jaxpr, (32, 32))) == stacks
+    assert bool(solution.converged)
+    assert rel_err(A(solution.x), b) < 1e-9
+
+
 def test_callable_inner_product():
     ip = _reduce.resolve(lambda a, b: jnp.sum(a * b) * 2.0)
     assert float(ip.dot(jnp.ones(3), jnp.ones(3))) == 6.0

@@ -301,6 +301,55 @@ def test_merges_all_reduces_flag_matches_the_compiler():
     assert report.per_iteration == (1 if sx._core.reduce.MERGES_ALL_REDUCES else 2), str(report)
 
 
+@pytest.fixture
+def separate_products(monkeypatch):
+    """The product pattern `stacks_products` picks for one device and for a GPU
+    or TPU mesh (separate sums), on the emulated mesh; compiled traces of it
+    are dropped before and after."""
+    jax.clear_caches()
+    monkeypatch.setattr(sx._core.reduce, "stacks_products", lambda *a, **k: False)
+    yield
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+# One variant per product pattern of a step: two reductions, one of three
+# products, one with a fourth vector stacked in, GMRES's projections, BiCGStab's
+# two of three and five, one-sync BiCGStab, IDR(s)'s block.
+TUPLE_CASES = ["pcg", "pcg_single_reduction", "pcg_pipelined", "gmres", "gmres_cgs2",
+               "bicgstab", "bicgstab_one_sync", "idrs"]
+
+
+@pytest.mark.parametrize("name", TUPLE_CASES)
+def test_separate_products_keep_the_synchronizations_where_tuples_are_one(
+        name, separate_products):
+    """Where the rule gives separate sums on a mesh (a GPU or TPU, JAX >= 0.7),
+    XLA's combiner makes each reduction one tuple all-reduce, one collective
+    there: the instructions per step equal the pinned synchronizations, while
+    XLA:CPU would run one rendezvous per array (which is why it stacks). On
+    JAX < 0.7 (no combiner) the rule keeps stacking on every mesh."""
+    report = sx.count_collectives(SOLVERS[name], *krylov_args(mesh(8)))
+    stacked = counts(name, 8)[0]
+    if not sx._core.reduce.MERGES_ALL_REDUCES:  # why the rule stacks there
+        assert report.per_iteration >= stacked.per_iteration, str(report)
+        return
+    assert report.total == stacked.total, str(report)
+    assert report.per_iteration == stacked.per_iteration == EXPECTED[name][2], str(report)
+    on_tpu = report.step_count("all-reduce", backend="tpu")
+    assert on_tpu == stacked.step_count("all-reduce", backend="tpu"), str(report)
+    assert report.step_count("all-reduce") >= on_tpu
+
+
+def test_the_product_rule_by_target():
+    """Separate sums on one device and on a GPU/TPU mesh where the combiner
+    merges them; stacked on an XLA:CPU mesh and on any mesh without it."""
+    rule, merges = sx._core.reduce.stacks_products, sx._core.reduce.MERGES_ALL_REDUCES
+    assert not rule("cpu", 1) and not rule("tpu", 1) and not rule("gpu", 1)
+    assert rule("cpu", 8)
+    assert rule("tpu", 4) == rule("gpu", 8) == (not merges)
+    assert rule() == (jax.device_count() > 1)  # these tests: 8 emulated CPU devices
+
+
 @pytest.mark.parametrize("name", LAYOUT_SOLVERS)
 def test_pytree_counts_version_gate(name):
     m = mesh(8)

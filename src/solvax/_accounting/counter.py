@@ -88,6 +88,11 @@ class CollectiveReport:
             busiest branch only (one branch runs). The synchronizations of
             a Krylov step are `per_step["all-reduce"]` (plus any all-gather);
             collective-permutes are neighbour (halo) exchanges.
+        per_step_instructions: per kind, the collective *instructions* one
+            pass of `step_loop` executes, a variadic one once: what a GPU or
+            TPU synchronizes, where XLA's combiner merges a step's separate
+            all-reduces into one tuple all-reduce and the backend runs it as
+            one collective (`step_count(kind, backend="tpu")`).
     """
 
     total: int
@@ -101,14 +106,21 @@ class CollectiveReport:
     collectives: tuple[Collective, ...]
     step_loop: str | None = None
     per_step: dict[str, int] = dataclasses.field(default_factory=dict)
+    per_step_instructions: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def count(self, kind: str) -> int:
         """Instructions of one kind (`"all-reduce"`, `"all-gather"`, ...)."""
         return self.by_kind.get(kind, 0)
 
-    def step_count(self, kind: str) -> int:
-        """Collectives of one kind executed per pass of `step_loop` (see `per_step`)."""
-        return self.per_step.get(kind, 0)
+    def step_count(self, kind: str, backend: str = "cpu") -> int:
+        """Synchronizations of one kind per pass of `step_loop` on `backend`:
+        on XLA:CPU (`"cpu"`, what the tests pin) a variadic (tuple) instruction
+        counts each array it moves (`per_step`); on `"gpu"` and `"tpu"` it is
+        one collective (`per_step_instructions`)."""
+        if backend not in ("cpu", "gpu", "tpu"):
+            raise ValueError(f"`backend` must be 'cpu', 'gpu' or 'tpu'; got {backend!r}.")
+        counts = self.per_step if backend == "cpu" else self.per_step_instructions
+        return counts.get(kind, 0)
 
     def loop_count(self, loop: str, kind: str) -> int:
         """Collectives of one kind one pass of the loop named `loop` executes
@@ -155,17 +167,18 @@ def _operands(rest: str) -> int:
     return max(1, len(re.findall(r"%[\w.\-]+", rest.split(")")[0])))
 
 
-def _executed(collectives, depth: int = 0) -> int:
+def _executed(collectives, depth: int = 0, arrays: bool = True) -> int:
     """How many synchronizations these collectives of one loop pass execute:
-    each counts its arrays; of a conditional's branches, only the busiest."""
-    total = sum(c.operands for c in collectives if len(c.branches) == depth)
+    each counts its arrays (`arrays`: XLA:CPU) or once; of a conditional's
+    branches, only the busiest."""
+    total = sum(c.operands if arrays else 1 for c in collectives if len(c.branches) == depth)
     by_conditional: dict = {}
     for c in collectives:
         if len(c.branches) > depth:
             cond, branch = c.branches[depth]
             by_conditional.setdefault(cond, {}).setdefault(branch, []).append(c)
     for branches in by_conditional.values():
-        total += max(_executed(cs, depth + 1) for cs in branches.values())
+        total += max(_executed(cs, depth + 1, arrays) for cs in branches.values())
     return total
 
 
@@ -248,8 +261,9 @@ def analyze_hlo(text: str) -> CollectiveReport:
                       for n in loops if n in with_collectives)
     unknown = any(loop.depth > 0 and loop.trip_count is None for loop in loop_list)
     step_loop = _step_loop(loop_list)
-    per_step = {kind: _executed(_own(found, step_loop, kind))
-                for kind in sorted({c.kind for c in _own(found, step_loop)})}
+    kinds = sorted({c.kind for c in _own(found, step_loop)})
+    per_step = {kind: _executed(_own(found, step_loop, kind)) for kind in kinds}
+    instructions = {kind: _executed(_own(found, step_loop, kind), arrays=False) for kind in kinds}
     return CollectiveReport(
         total=len(found),
         setup=sum(1 for c in found if not c.loops),
@@ -262,6 +276,7 @@ def analyze_hlo(text: str) -> CollectiveReport:
         collectives=tuple(found),
         step_loop=step_loop,
         per_step=per_step,
+        per_step_instructions=instructions,
     )
 
 

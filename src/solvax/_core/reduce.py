@@ -2,11 +2,13 @@
 
 Per-leaf products are `sum(conj(x) * y)` — never `vdot`, `ravel` or
 `reshape(-1)`, which all-gather a leaf sharded on a non-leading axis. A solver
-asks for *all independent products of one step at once*; the layer stacks the
-per-leaf partial products along a new leading axis before the single global
-sum, so a step costs one reduction of a k-vector by construction (one
-all-reduce under `jit`, one `lax.psum` inside `shard_map`), independent of
-whether XLA's all-reduce combiner would have merged separate sums.
+asks for *all independent products of one step at once*, and the layer
+evaluates them as one global reduction: one `lax.psum` of the stacked local
+sums inside `shard_map`; under `jit`, by the one rule `stacks_products`, the
+per-leaf products stacked along a new leading axis before one sum (a mesh
+on XLA:CPU, where each array of an all-reduce is a rendezvous) or separate
+sums (one device; a GPU or TPU mesh, where XLA's combiner makes them one
+tuple all-reduce, one collective there).
 
 Every kind of inner product derives from `Reduction`, whose only primitives
 are the batched reductions `multi_dot`, `project_many` and `gram`; `project`,
@@ -158,6 +160,39 @@ def power_of_two_below(value: jax.Array) -> jax.Array:
     return jnp.maximum(scale, tiny)
 
 
+def stacks_products(backend: str | None = None, devices: int | None = None) -> bool:
+    """The one rule for the pattern of a step's products under `jit`.
+
+    Stacked: the per-leaf products of a step are stacked along a new leading
+    axis and summed once, so a mesh reduces one array per step by
+    construction. Separate: one sum (or GEMV) per product, the scalars
+    stacked afterwards. Both give one synchronization per reduction call on a
+    mesh where it matters; they differ in what a step costs on the device:
+
+    - **one device** (`devices == 1`): separate. There is nothing to
+      synchronize, and the stacked form materializes the `(k, *shape)` array
+      of products before summing it (XLA:CPU does not fuse the stack into
+      the reduction): per step on one CPU device at 256^2, float64,
+      separate against stacked: one-sync BiCGStab 0.58 against 1.60 ms,
+      GMRES(30) with CGS2 1.26 against 3.58 ms per matvec, GMRES one-sync
+      1.45 against 1.77, BiCGStab 0.24 against 0.27.
+    - **a GPU or TPU mesh** on JAX >= 0.7: separate. XLA's all-reduce
+      combiner merges a step's independent all-reduces into one tuple
+      (variadic) all-reduce, which these backends run as one collective.
+    - **an XLA:CPU mesh**, or any mesh on JAX < 0.7 (no combiner): stacked.
+      XLA:CPU runs a tuple all-reduce as one rendezvous per array, and the
+      communication table pins what it executes.
+
+    `backend` and `devices` default to JAX's default backend and its device
+    count (the target a `jit` without explicit devices compiles for).
+    """
+    backend = jax.default_backend() if backend is None else backend
+    devices = jax.device_count(backend) if devices is None else devices
+    if devices == 1:
+        return False
+    return backend == "cpu" or not MERGES_ALL_REDUCES
+
+
 @jax.tree_util.register_pytree_node_class
 class InnerProduct(Reduction):
     """The inner product `<x, y> = sum_leaves sum(conj(x) * weight * y)`.
@@ -227,8 +262,9 @@ class InnerProduct(Reduction):
         return largest
 
     def multi_dot(self, pairs: Sequence[Pair]) -> jax.Array:
-        # The k products stacked on a new leading axis: one sum over the vector
-        # axes, hence one reduction of a k-vector by construction.
+        # Separate sums, or (`stacks_products`) the k products stacked on a new
+        # leading axis: one sum over the vector axes, one reduction of a
+        # k-vector by construction.
         if self._separate_kernels():
             return self._global_sum([jnp.stack([jnp.sum(p) for p in products])
                                      for products in self._pair_leaves(pairs)])
@@ -248,30 +284,20 @@ class InnerProduct(Reduction):
         return self._global_sum(partials)
 
     def _separate_kernels(self) -> bool:
-        """Whether the products of one step run as separate kernels.
-
-        Inside `shard_map` (`axis_name` set) their local partials are stacked
-        before the one `psum`: always. Under `jit` never: each separate
-        contraction gets its own all-reduce from the partitioner, and XLA's
-        all-reduce combiner (jax >= 0.7) merges them into one *variadic*
-        instruction, which XLA:CPU runs as one rendezvous per array
-        (measured on 8 devices: single-reduction CG's two scalars in one tuple
-        all-reduce cost 0.39 ms per iteration, as two all-reduces do; one
-        stacked 2-vector 0.20 ms). The stacked forms reduce one array per
-        step by construction, and measured on one device they run as fast
-        as separate kernels (CG, BiCGStab, GMRES, IDR(s) within the
-        machine's noise at 128^2 and 256^2).
-        """
-        return self.axis_name is not None
+        """Whether the products of one step run as separate kernels: inside
+        `shard_map` always (their local partials are stacked before the one
+        `psum`), under `jit` as `stacks_products` rules for the target."""
+        return self.axis_name is not None or not stacks_products()
 
     def project_many(self, basis, xs, pairs=()):
         """Per leaf, contractions over the vector axes (`dot_general`: the
         partitioner reduces a sharded contracting axis with one all-reduce, and
         on one device it is a BLAS GEMV), conjugating the vectors rather than
         the basis: `V^H x = conj(V^T conj(x))`. With separate kernels (inside
-        `shard_map`, where the local partials are stacked before the psum), one GEMV
-        per vector (faster than a skinny GEMM on XLA's CPU backend:
-        `docs/krylov.md`, "skinny GEMM") and one sum per pair; otherwise one
+        `shard_map`, where the local partials are stacked before the psum, and
+        where `stacks_products` says not to stack), one GEMV per vector
+        (faster than a skinny GEMM on XLA's CPU backend: `docs/krylov.md`,
+        "skinny GEMM") and one sum per pair; otherwise one
         contraction with the vectors stacked, or, with pairs, every product
         stacked elementwise before one sum."""
         vs = self._leaves(basis)
@@ -424,4 +450,4 @@ def _axes_bound_by(eqn) -> set:
     return set(eqn.params["mesh"].axis_names) - set(eqn.params.get("auto", ()))
 
 
-__all__ = ["InnerProduct", "Reduction", "resolve", "real_sqrt"]
+__all__ = ["InnerProduct", "Reduction", "resolve", "real_sqrt", "stacks_products"]
