@@ -165,6 +165,26 @@ def test_accelerator_small(tmp_path):
     assert "cases ok" in (tmp_path / "cpu.md").read_text()
 
 
+def test_accelerator_speed_small(tmp_path):
+    """The chip's speed script on this CPU: every part runs, every solve
+    takes the steps it was given, each ratio has its passes model beside it,
+    and the report says which product pattern the rule picked."""
+    run("accelerator_speed.py", "--small", "--out", str(tmp_path))
+    data = json.loads((tmp_path / "accelerator_speed.json").read_text())
+    assert data["meta"]["backend"] == "cpu" and data["triad"]["GB/s"] > 0
+    steps = {r["method"]: r["steps"] for r in data["krylov"]}
+    assert set(steps) >= {"pcg", "pcg single_reduction", "pcg pipelined", "jax.scipy cg",
+                          "gmres(30)", "jax.scipy gmres(30)", "bicgstab", "jax.scipy bicgstab"}
+    # float32 at these sizes may reach its floor before the 60 steps given
+    assert all(20 <= r["steps"] <= 60 and r["passes"] > 0 and r["ratio"] > 0
+               for r in data["krylov"])
+    assert {r["case"] for r in data["multigrid"]} == {"MG-CG 2-D 32^2 V", "MG-CG 3-D 8^3 V"}
+    assert all(r["status"] == "CONVERGED" and r["levels"] >= 2 for r in data["multigrid"])
+    matvecs = {r["method"]: r["matvecs"] for r in data["recycling"]}
+    assert set(matvecs) == {"gmres(30)", "gcrot cold", "gcrot recycled"}
+    assert "passes at triad" in (tmp_path / "cpu_speed.md").read_text()
+
+
 def test_plot_results_draws_every_figure_from_the_saved_results(tmp_path):
     out = run("plot_results.py", "--out", str(tmp_path))
     names = ["convergence_preconditioners.png", "convergence_variants.png",

@@ -1,0 +1,330 @@
+"""Speed on the current backend (a TPU chip): Krylov steps, multigrid, recycling.
+
+`python benchmarks/accelerator_speed.py [--small] [--out DIR] [--only TEXT ...]`
+
+One process, float32, solvax and its peers interleaved (each round runs every
+contender once; the best round is kept). Parts (`--only`):
+
+- `triad`: `1.5 x + z` on 2^26 floats, the practical bandwidth (GB/s).
+- `krylov`: a fixed number of steps (rtol far below reach), milliseconds per
+  step, on the 5-point Poisson problem at 1024^2, 2048^2 and 4096^2: pcg
+  (standard, single_reduction, pipelined) against `jax.scipy`'s cg; on upwind
+  convection-diffusion at 2048^2: gmres(30) (one_sync, cgs2) against
+  `jax.scipy`'s batched gmres per matvec, bicgstab (standard, one_sync)
+  against `jax.scipy`'s bicgstab per step. Each row prints its ratio to the
+  peer beside the vector passes per step the method needs (`PASSES`: reads
+  plus writes of a grid-sized vector, a 5-point matvec counted as 2) and the
+  time those passes take at the measured triad bandwidth.
+- `multigrid`: MG-CG (`pcg` with `multigrid`, V, W and F cycles) on Poisson
+  at 1024^2 to 4096^2 and 128^3: first call (trace + compile + run), warm
+  solve, one V-cycle against one plain CG step of the same size, the
+  V-cycle's bytes model (`cycle_passes`) at the triad bandwidth.
+- `recycling`: 12 backward-Euler steps of a slowly varying
+  convection-diffusion at 96^2 (warm starts, rtol 1e-5): gmres(30), gcrot
+  cold and gcrot recycled, total matvecs and time.
+
+Writes `accelerator_speed.json` and `<backend>_speed.md` under `--out`.
+`--small` runs every part at tiny sizes on any backend (CI's smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.sparse.linalg as jsl
+import numpy as np
+
+import solvax as sx
+
+DTYPE = jnp.float32
+FAR = 1e-30  # an rtol no float32 solve reaches: the step limit ends every solve
+
+#: Vector passes per step (reads + writes of a grid-sized vector; a 5-point
+#: matvec reads its input and writes its output: 2), without a
+#: preconditioner, each update and each product one pass over its vectors.
+PASSES = {
+    # p = r + beta p (3), q = A p (2), <p, q> (2), x += alpha p (3), r -= alpha q (3), <r, r> (1)
+    "pcg": 14, "jax.scipy cg": 14,
+    # w = A r (2), <r, r>, <r, w> (2), p (3), s = w + beta s (3), x (3), r (3)
+    "pcg single_reduction": 16,
+    # Ghysels–Vanroose: n = A w (2), <r, r>, <w, r> (2), z, s, p (9), x, r, w (9)
+    "pcg pipelined": 22,
+    # 2 matvecs (4), p (4), s (3), x (4), r (3), products of r0 with v, s, t and
+    # of v, r, s, t with themselves or each other (13); jax.scipy's six (9)
+    "bicgstab": 31, "jax.scipy bicgstab": 27,
+    # one-sync BiCGStab (Krasnopolsky): two more recurrences (6) and 2 products more
+    "bicgstab one_sync": 39,
+}
+
+
+def gmres_passes(m: int, reorthogonalize: bool) -> float:
+    """Passes per Arnoldi step of GMRES(m), averaged over a cycle: the matvec
+    (2), the projections on the j + 1 basis vectors (j + 2 reads), the update
+    (j + 3), the normalization (2); twice the projection with CGS2."""
+    per = [2 + (2 if reorthogonalize else 1) * (2 * j + 5) + 2 for j in range(m)]
+    return sum(per) / m
+
+
+def cycle_passes(levels: int, steps: int = 2, dims: int = 2) -> float:
+    """A V(steps, steps) cycle's fine-grid-vector passes: per level a Jacobi
+    sweep reads x, b and writes x with the matvec fused (3), the residual
+    (3), restriction (1 + 1 / 2^dims), prolongation and correction (3), each
+    coarser level 2^-dims of the one above."""
+    per_level = 2 * steps * 3 + 3 + (1 + 2.0 ** -dims) + 3
+    return per_level * sum(2.0 ** (-dims * i) for i in range(levels))
+
+
+def poisson(x):
+    """5-point Dirichlet Laplacian (unscaled)."""
+    xp = jnp.pad(x, 1)
+    return 4 * x - xp[:-2, 1:-1] - xp[2:, 1:-1] - xp[1:-1, :-2] - xp[1:-1, 2:]
+
+
+def convection(x, strength=10.0):
+    xp = jnp.pad(x, 1)
+    return poisson(x) + strength / (x.shape[0] + 1) * (x - xp[:-2, 1:-1])
+
+
+def best_of(contenders: dict, rounds: int) -> dict:
+    """Seconds of each contender `name: (f, args)` (`f` compiled, its arrays
+    passed as arguments, never closed over), interleaved, the best round."""
+    compiled = {}
+    for name, (f, args) in contenders.items():
+        f = jax.jit(f)
+        jax.block_until_ready(f(*args))
+        compiled[name] = (f, args)
+    best = {name: float("inf") for name in compiled}
+    for _ in range(rounds):
+        for name, (f, args) in compiled.items():
+            t = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best
+
+
+def triad(small: bool) -> dict:
+    n = 2**16 if small else 2**26
+    x = jnp.ones(n, DTYPE)
+    z = jnp.full(n, 2.0, DTYPE)
+    seconds = best_of({"triad": (lambda x, z: 1.5 * x + z, (x, z))}, 10)["triad"]
+    gbs = 3 * n * x.dtype.itemsize / seconds / 1e9
+    return {"floats": n, "seconds": seconds, "GB/s": gbs}
+
+
+def _steps(solve, steps):
+    """A solve of exactly `steps` steps (rtol out of reach) returning x and its step count."""
+    def run(b):
+        s = solve(b, steps)
+        return s.x, s.iterations
+    return run
+
+
+def krylov(small: bool, bandwidth: float) -> list[dict]:
+    steps = 60 if small else 300
+    restart = 30
+    rows = []
+    for n in (32, 64) if small else (1024, 2048, 4096):
+        symmetric = {
+            "pcg": lambda b, k: sx.pcg(poisson, b, rtol=FAR, max_steps=k),
+            "pcg single_reduction": lambda b, k: sx.pcg(poisson, b, rtol=FAR, max_steps=k,
+                                                        single_reduction=True),
+            "pcg pipelined": lambda b, k: sx.pcg(poisson, b, rtol=FAR, max_steps=k,
+                                                 method="pipelined"),
+        }
+        peers = {"jax.scipy cg": lambda b: (jsl.cg(poisson, b, tol=0.0, atol=0.0,
+                                                   maxiter=steps)[0], steps)}
+        rows += _per_step(f"Poisson {n}^2", n, symmetric, peers, "jax.scipy cg", steps,
+                          bandwidth)
+    n = 64 if small else 2048
+    nonsymmetric = {
+        "gmres(30)": lambda b, k: sx.gmres(convection, b, rtol=FAR, restart=restart,
+                                           max_restarts=k // restart),
+        "gmres(30) cgs2": lambda b, k: sx.gmres(convection, b, rtol=FAR, restart=restart,
+                                                max_restarts=k // restart,
+                                                orthogonalization="cgs2"),
+    }
+    peers = {"jax.scipy gmres(30)": lambda b: (jsl.gmres(
+        convection, b, tol=0.0, atol=0.0, restart=restart, maxiter=steps // restart,
+        solve_method="batched")[0], steps)}
+    rows += _per_step(f"convection-diffusion {n}^2", n, nonsymmetric, peers,
+                      "jax.scipy gmres(30)", steps, bandwidth)
+    short = {
+        "bicgstab": lambda b, k: sx.bicgstab(convection, b, rtol=FAR, max_steps=k),
+        "bicgstab one_sync": lambda b, k: sx.bicgstab(convection, b, rtol=FAR, max_steps=k,
+                                                      method="one_sync"),
+    }
+    peers = {"jax.scipy bicgstab": lambda b: (jsl.bicgstab(convection, b, tol=0.0, atol=0.0,
+                                                           maxiter=steps)[0], steps)}
+    rows += _per_step(f"convection-diffusion {n}^2", n, short, peers, "jax.scipy bicgstab",
+                      steps, bandwidth)
+    return rows
+
+
+def _per_step(problem, n, ours, peers, reference, steps, bandwidth):
+    b = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), DTYPE)
+    contenders = {name: _steps(f, steps) for name, f in ours.items()}
+    contenders.update(peers)
+    counts = {name: int(jax.jit(f)(b)[1]) for name, f in contenders.items()}
+    seconds = best_of({k: (lambda b, f=f: f(b)[0], (b,)) for k, f in contenders.items()}, 5)
+    vector_s = n * n * jnp.dtype(DTYPE).itemsize / (bandwidth * 1e9)
+    rows = []
+    for name in contenders:
+        per = seconds[name] / max(counts[name], 1)
+        passes = (gmres_passes(30, "cgs2" in name) if "gmres" in name else PASSES[name])
+        rows.append({"problem": problem, "method": name, "steps": counts[name],
+                     "ms_per_step": 1e3 * per,
+                     "ratio": per / (seconds[reference] / max(counts[reference], 1)),
+                     "passes": passes, "passes_ms": 1e3 * passes * vector_s})
+    return rows
+
+
+def multigrid(small: bool, bandwidth: float) -> list[dict]:
+    if small:
+        cases = [("2-D", 32, "V"), ("3-D", 8, "V")]
+    else:
+        cases = [("2-D", n, c) for n in (1024, 2048, 4096)
+                 for c in (("V", "W", "F") if n == 2048 else ("V",))]
+        cases += [("3-D", 128, "V"), ("3-D", 256, "V")]
+    rows = []
+    for dims, n, cycle in cases:
+        shape = (n, n) if dims == "2-D" else (n, n, n)
+        k = jnp.ones(shape, DTYPE)
+        b = jnp.asarray(np.random.default_rng(0).standard_normal(shape), DTYPE)
+
+        def solve(k, b, n=n, cycle=cycle):
+            A = sx.diffusion_operator(k, spacing=1.0 / n)
+            return sx.pcg(A, b, precond=sx.multigrid(A, cycle=cycle), rtol=1e-5)
+
+        def cg(k, b, n=n):
+            A = sx.diffusion_operator(k, spacing=1.0 / n)
+            return jsl.cg(A, b, tol=0.0, atol=0.0, maxiter=20)[0]
+
+        t = time.perf_counter()
+        sol = jax.block_until_ready(jax.jit(solve)(k, b))
+        first = time.perf_counter() - t
+        M = jax.jit(lambda k, n=n, cycle=cycle: sx.multigrid(
+            sx.diffusion_operator(k, spacing=1.0 / n), cycle=cycle))(k)
+        timing = best_of({"solve": (lambda k, b: solve(k, b).x, (k, b)),
+                          "cycle": (lambda M, r: M(r), (M, b)), "cg step": (cg, (k, b))}, 5)
+        step = timing["cg step"] / 20
+        levels = len(M.levels)
+        model = cycle_passes(levels, dims=len(shape))
+        vector_s = k.size * jnp.dtype(DTYPE).itemsize / (bandwidth * 1e9)
+        rows.append({"case": f"MG-CG {dims} {n}^{len(shape)} {cycle}", "first_s": first,
+                     "iterations": int(sol.iterations), "status": sx.Status(int(sol.status)).name,
+                     "solve_ms": 1e3 * timing["solve"], "cycle_ms": 1e3 * timing["cycle"],
+                     "cg_step_ms": 1e3 * step, "cycle_in_cg_steps": timing["cycle"] / step,
+                     "levels": levels, "cycle_passes": model,
+                     "cycle_passes_ms": 1e3 * model * vector_s})
+    return rows
+
+
+def recycling(small: bool) -> list[dict]:
+    n, steps, dt = (24, 3, 1e-2) if small else (96, 12, 1e-2)
+    h = 1.0 / n
+    x = (jnp.arange(n) + 0.5) * h
+    X, Y = jnp.meshgrid(x, x, indexing="ij")
+
+    def operator(t):
+        D = sx.diffusion_operator((1.0 + 0.5 * jnp.sin(2 * jnp.pi * (X + Y) + 0.3 * t)
+                                   ).astype(DTYPE), spacing=h, shift=1.0 / dt)
+        return lambda u: D(u) + 20.0 * (u - jnp.pad(u, ((1, 0), (0, 0)))[:-1]) / h
+
+    u0 = jnp.exp(-100 * ((X - 0.3) ** 2 + (Y - 0.5) ** 2)).astype(DTYPE)
+
+    @jax.jit
+    def gmres(t, u, space):
+        s = sx.gmres(operator(t), u / dt, x0=u, restart=30, rtol=1e-5)
+        return s.x, s.iterations, space
+
+    @jax.jit
+    def gcrot(t, u, space):  # space None: cold (a compiled signature of its own)
+        s = sx.gcrot(operator(t), u / dt, x0=u, rtol=1e-5, recycle=space)
+        return s.x, s.iterations, s.recycle
+
+    rows = []
+    for name, step, hand_on in (("gmres(30)", gmres, False), ("gcrot cold", gcrot, False),
+                                ("gcrot recycled", gcrot, True)):
+        for _ in range(2):  # the first pass compiles, the second is timed
+            u, space, matvecs = u0, None, 0
+            start = time.perf_counter()
+            for i in range(steps):
+                given = space if hand_on else None
+                u, its, space = step(jnp.asarray(float(i), DTYPE), u, given)
+                # a handed-on space is refreshed for the new operator: k matvecs
+                matvecs += int(its) + (sx._krylov.gcrot.K if given is not None else 0)
+            jax.block_until_ready(u)
+            seconds = time.perf_counter() - start
+        rows.append({"method": name, "matvecs": matvecs, "seconds": seconds})
+    return rows
+
+
+def markdown(meta, out) -> str:
+    lines = [f"# solvax speed on {meta['device']} (`benchmarks/accelerator_speed.py`)", "",
+             f"- date: {meta['date']}", f"- JAX {meta['jax']}, solvax {meta['solvax']}, float32",
+             ""]
+    if "triad" in out:
+        lines += [f"Triad `1.5 x + z`: {out['triad']['GB/s']:.0f} GB/s.", ""]
+    if "krylov" in out:
+        lines += ["| problem | method | steps | ms/step | ratio to peer | passes/step | "
+                  "passes at triad (ms) |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['problem']} | {r['method']} | {r['steps']} | {r['ms_per_step']:.4f} | "
+                  f"{r['ratio']:.2f} | {r['passes']:.1f} | {r['passes_ms']:.4f} |"
+                  for r in out["krylov"]]
+        lines.append("")
+    if "multigrid" in out:
+        lines += ["| case | first s | iterations | solve ms | cycle ms | CG step ms | "
+                  "cycle / CG step | levels | cycle passes | passes at triad (ms) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['case']} | {r['first_s']:.2f} | {r['iterations']} | "
+                  f"{r['solve_ms']:.3f} | {r['cycle_ms']:.3f} | {r['cg_step_ms']:.4f} | "
+                  f"{r['cycle_in_cg_steps']:.1f} | {r['levels']} | {r['cycle_passes']:.1f} | "
+                  f"{r['cycle_passes_ms']:.3f} |" for r in out["multigrid"]]
+        lines.append("")
+    if "recycling" in out:
+        lines += ["| sequence method | matvecs | seconds |", "|---|---|---|"]
+        lines += [f"| {r['method']} | {r['matvecs']} | {r['seconds']:.3f} |"
+                  for r in out["recycling"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--small", action="store_true", help="tiny sizes (a smoke test)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--only", nargs="+", default=[""], metavar="TEXT")
+    args = p.parse_args()
+    device = jax.devices()[0]
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "backend": jax.default_backend(),
+            "device": f"{device.platform}: {getattr(device, 'device_kind', '?')}",
+            "jax": jax.__version__, "solvax": sx.__version__,
+            "stacks_products": sx._core.reduce.stacks_products()}
+    wanted = lambda part: any(text in part for text in args.only)  # noqa: E731
+    out = {"triad": triad(args.small)}
+    bandwidth = out["triad"]["GB/s"]
+    print(f"triad: {bandwidth:.0f} GB/s", flush=True)
+    for name, part in (("krylov", lambda: krylov(args.small, bandwidth)),
+                       ("multigrid", lambda: multigrid(args.small, bandwidth)),
+                       ("recycling", lambda: recycling(args.small))):
+        if wanted(name):
+            out[name] = part()
+            for row in out[name]:
+                print(json.dumps(row), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "accelerator_speed.json"), "w") as f:
+        json.dump({"meta": meta, **out}, f, indent=1)
+    with open(os.path.join(args.out, f"{meta['backend']}_speed.md"), "w") as f:
+        f.write(markdown(meta, out))
+    print(markdown(meta, out))
+
+
+if __name__ == "__main__":
+    main()
