@@ -138,7 +138,8 @@ def test_one_all_reduce_per_arnoldi_step_on_a_mesh(mode):
     b = put(rhs(shape=(64, 8)), m, "i", None)
     spec = P("i", None)
     given = sx.gcrot(operator(), rhs(shape=(64, 8)), m=10, k=4, rtol=1e-10).recycle
-    given = jax.tree_util.tree_map(lambda v: put(v, m, None, "i", None), given)
+    # the bases sharded like b; the ledger (two costs) replicated
+    given = sx.RecycleSpace(*(put(v, m, None, "i", None) for v in given), given.ledger)
 
     def solve(b, space, axis_name=None):
         if axis_name is None:
@@ -207,3 +208,36 @@ def test_newton_krylov_recycles_across_newton_steps():
     assert int(gc.linear_iterations) < int(bi.linear_iterations)
     with pytest.raises(ValueError, match="recycle"):
         sx.newton_krylov(F, u0, solver="gcrot", solver_options={"recycle": None})
+
+
+def test_the_ledger_drops_a_space_that_costs_more_than_it_saves():
+    """A space's ledger (`[cold, recycled]` matvecs per decade) decides its
+    refresh: where recycling cost more, the solve runs cold (the same
+    iterations and answer as `recycle=None`, no refresh) and records its cost
+    in the cold entry; where it cost no more, or without a ledger, the space
+    is refreshed and used, and the recycled entry is updated."""
+    A = operator()
+    first = sx.gcrot(A, rhs(0), m=10, k=4, rtol=1e-10)
+    cold, recycled = np.asarray(first.recycle.ledger)
+    assert cold > 0 and np.isfinite(cold) and np.isnan(recycled)
+    C, U = first.recycle
+    solve = jax.jit(lambda space: sx.gcrot(A, rhs(1), m=10, k=4, rtol=1e-10, recycle=space))
+    fresh = sx.gcrot(A, rhs(1), m=10, k=4, rtol=1e-10)
+    losing = solve(sx.RecycleSpace(C, U, jnp.array([1.0, 2.0])))
+    assert int(losing.iterations) == int(fresh.iterations)
+    np.testing.assert_allclose(losing.x, fresh.x, rtol=1e-10, atol=1e-12)
+    assert float(losing.recycle.ledger[1]) == 2.0 and float(losing.recycle.ledger[0]) > 0
+    paying = solve(sx.RecycleSpace(C, U, jnp.array([2.0, 1.0])))
+    unknown = solve(sx.RecycleSpace(C, U))  # a space given by hand: always used
+    assert int(paying.iterations) == int(unknown.iterations) < int(fresh.iterations)
+    assert bool(paying.converged) and float(paying.recycle.ledger[0]) == 2.0
+    assert float(paying.recycle.ledger[1]) > 0
+
+
+def test_a_ledger_of_another_shape_is_refused_and_a_space_without_one_accepted():
+    A = operator()
+    C, U = sx.gcrot(A, rhs(0), m=10, k=4).recycle
+    with pytest.raises(ValueError, match="ledger"):
+        sx.gcrot(A, rhs(1), m=10, k=4, recycle=sx.RecycleSpace(C, U, jnp.zeros(3)))
+    assert bool(sx.gcrot(A, rhs(1), m=10, k=4, recycle=sx.RecycleSpace(C, U)).converged)
+    assert bool(sx.gcrot(A, rhs(1), m=10, k=4, recycle=(C, U)).converged)

@@ -6,6 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from jax import lax
+
 from .._core import checks, contract, driver, tree
 from .._core.contract import Outcome, Problem
 from .._core.options import documented
@@ -32,22 +36,44 @@ def space_size(size: int, m: int = M, k: int = K) -> int:
 def _run(problem: Problem, *, m: int, k: int, max_restarts: int | None,
          record_history: bool) -> Outcome:
     """The GCRO-DR iteration: `gmres.restarted` with a recycled space ahead
-    of each cycle's basis, renewed from each cycle's harmonic Ritz vectors."""
+    of each cycle's basis, renewed from each cycle's harmonic Ritz vectors.
+    A handed-on space is refreshed for the operator only where its ledger
+    says recycling has paid (`recycling.worth_refreshing`); otherwise the
+    solve runs cold, from an empty space, without the refresh's matvecs."""
     b = problem.b
     k = space_size(problem.size(), m, k)
     m, max_restarts = gmres.cycle_sizes(problem.size(), m, max_restarts)
     given = problem.data
-    space = (recycling.empty(b, k) if given is None
-             else recycling.refreshed(problem.A, problem.ip, RecycleSpace(*given)))
+    if given is None:
+        space, used, ledger = recycling.empty(b, k), jnp.bool_(False), None
+    else:
+        used = jnp.asarray(recycling.worth_refreshing(given.ledger))
+        space = lax.cond(used, lambda: recycling.refreshed(
+            problem.A, problem.ip, RecycleSpace(given.C, given.U)),
+            lambda: recycling.empty(b, k))
+        ledger = given.ledger
     arnoldi = make_arnoldi(problem.A, b, precond=problem.precond, ip=problem.ip, m=m,
                             orthogonalization="one_sync", offset=k)
 
     def renew(V, Z, H, est, old, go, E, D):
         return recycling.harmonic_space(problem.ip, V, Z, H, est.j, k, old, go, E, D)
 
-    outcome = gmres.restarted(problem, arnoldi, m=m, max_restarts=max_restarts,
-                               record_history=record_history, space=space, renew=renew)
-    return outcome._replace(recycle=RecycleSpace(*outcome.recycle))
+    outcome, start = gmres.restarted(problem, arnoldi, m=m, max_restarts=max_restarts,
+                                     record_history=record_history, space=space, renew=renew)
+    C, U = outcome.recycle
+    return outcome._replace(recycle=RecycleSpace(C, U, _entered(
+        ledger, used, outcome.iterations + jnp.where(used, k, 0), start, outcome.residual[0])))
+
+
+def _entered(ledger, used, matvecs, start, final) -> jax.Array:
+    """The ledger after a solve: its cost per decade in the recycled entry
+    where it ran with a handed-on space (`used`), else in the cold one (a
+    solve of less than a decade leaves the ledger as it was)."""
+    real = jnp.result_type(start)
+    ledger = jnp.full((2,), jnp.nan, real) if ledger is None else ledger.astype(real)
+    cost = lax.stop_gradient(recycling.cost_per_decade(matvecs.astype(real), start, final))
+    entry = jnp.where(used, 1, 0)
+    return jnp.where(jnp.isnan(cost), ledger, ledger.at[entry].set(cost))
 
 
 GCROT = driver.register(contract.Method("gcrot", _run))
@@ -92,6 +118,22 @@ def gcrot(
     `C = A U` for the new operator, orthonormalized (`U` follows). From
     `recycle=None` the space starts empty and fills after the first cycle,
     so a first solve already deflates across its restarts.
+
+    A space is handed on only while it pays. `Solution.recycle.ledger`
+    records `[cold, recycled]`: the matvecs per decade of residual reduction
+    of the last solve that ran without a handed-on space and of the last
+    that ran with one (its `k` refresh matvecs included; a solve of less
+    than a decade records nothing). A solve handed a space whose ledger
+    says recycling cost more than running cold skips the refresh and runs
+    cold; it hands its own space on, and recycling is tried again once cold
+    solves cost more. A space given without a ledger (`(C, U)` or
+    `RecycleSpace(C, U)`) is always used. Measured on backward-Euler
+    sequences of convection-diffusion (64^2-128^2, 10-20 steps, slow and
+    fast drift, symmetric and not, `benchmarks/benchmark_recycling.py
+    --only family`): where handing the space on made every solve slower
+    (strong convection: 1.80-1.91x the matvecs of the same gcrot cold),
+    the ledger drops it after one solve (1.02-1.04x); where it pays
+    (0.85x cold) it keeps it.
 
     Derivatives are implicit, as for every solver: `jax.grad` runs one
     `gcrot` on the transposed system, handed this solve's final space (for
@@ -152,9 +194,15 @@ def gcrot(
     return driver.solve(GCROT, matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                          inner_product=inner_product, axis_name=axis_name,
                          failed_derivative=failed_derivative, data=recycle,
-                         adjoint_data=(lambda out: out.recycle) if adjoint_recycle else None,
+                         adjoint_data=_for_the_transpose if adjoint_recycle else None,
                          m=int(m), k=int(k),
                          max_restarts=max_restarts, record_history=record_history)
+
+
+def _for_the_transpose(outcome: Outcome) -> RecycleSpace:
+    """The forward space for the transposed solve of a derivative, without
+    the ledger (its costs are the forward operator's): always refreshed."""
+    return RecycleSpace(outcome.recycle.C, outcome.recycle.U)
 
 
 # Counts: as GMRES (the restart's reduction carries C^H r), plus the harmonic

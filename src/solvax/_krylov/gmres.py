@@ -30,6 +30,7 @@ class _Outer(NamedTuple):
     broke: jax.Array  # the last cycle hit a breakdown
     stalls: jax.Array  # restarts in a row whose true residual did not decrease
     rnorm: jax.Array  # true residual norm at the last restart
+    first: jax.Array  # ... and at the first (before a recycled space's projection)
     xnorm: jax.Array  # ||x|| there
     tol: jax.Array
     anorm: jax.Array
@@ -104,7 +105,8 @@ def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int, renew=None)
                            (stagnated | st.broke, Status.STAGNATION)], Status.MAX_STEPS)
     return _Outer(x=x, k=st.k + est.j - offset, restarts=st.restarts + go.astype(jnp.int32),
                   status=status, broke=est.flag == code(Status.BREAKDOWN), stalls=stalls,
-                  rnorm=beta, xnorm=reduce.real_sqrt(xx), tol=tol,
+                  rnorm=beta, first=jnp.where(st.restarts == 0, beta, st.first),
+                  xnorm=reduce.real_sqrt(xx), tol=tol,
                   anorm=anorm, history=record(st.history, st.k, est, offset), space=space)
 
 
@@ -136,14 +138,16 @@ def cycle_sizes(size: int, restart: int, max_restarts: int | None) -> tuple[int,
 
 
 def restarted(problem: Problem, arnoldi, *, m: int, max_restarts: int, record_history: bool,
-              space=None, renew=None) -> Outcome:
+              space=None, renew=None) -> tuple[Outcome, jax.Array]:
     """The restart loop of `gmres` and `gcrot` (with a recycled `space` and
-    its `renew`, see `_cycle`); `Outcome.recycle` is the final space."""
+    its `renew`, see `_cycle`): its `Outcome`, whose `recycle` is the final
+    space, and the true residual norm it started from."""
     real = problem.real_dtype()
     x = tree.zeros_like(problem.b) if problem.x0 is None else problem.x0
     state = _Outer(x=x, k=jnp.int32(0), restarts=jnp.int32(0), status=code(RUNNING),
                    broke=jnp.bool_(False), stalls=jnp.int32(0),
-                   rnorm=jnp.asarray(jnp.inf, real), xnorm=jnp.zeros((), real),
+                   rnorm=jnp.asarray(jnp.inf, real), first=jnp.asarray(jnp.inf, real),
+                   xnorm=jnp.zeros((), real),
                    tol=jnp.zeros((), real), anorm=jnp.zeros((), real),
                    history=problem.history(max_restarts * m + m + 1, record_history),
                    space=space)
@@ -155,7 +159,8 @@ def restarted(problem: Problem, arnoldi, *, m: int, max_restarts: int, record_hi
                                                  max_restarts=max_restarts, renew=renew),
                                state)
     return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history,
-                   residual=(state.rnorm, state.tol, state.xnorm), recycle=state.space)
+                   residual=(state.rnorm, state.tol, state.xnorm),
+                   recycle=state.space), state.first
 
 
 def _run(problem: Problem, *, restart: int, max_restarts: int | None, orthogonalization: str,
@@ -165,7 +170,7 @@ def _run(problem: Problem, *, restart: int, max_restarts: int | None, orthogonal
     arnoldi = make_arnoldi(problem.A, problem.b, precond=problem.precond, ip=problem.ip, m=m,
                        orthogonalization=orthogonalization)
     return restarted(problem, arnoldi, m=m, max_restarts=max_restarts,
-                     record_history=record_history)
+                     record_history=record_history)[0]
 
 
 GMRES = driver.register(contract.Method("gmres", _run))

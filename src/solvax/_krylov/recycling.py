@@ -17,7 +17,7 @@ space, which changes how fast a solve converges, not its solution.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,26 +33,83 @@ PyTree = Any
 SUBSPACE_ITERATIONS = 12
 
 
-class RecycleSpace(NamedTuple):
-    """A recycled space `A U = C`, `C^H C = I` (`Solution.recycle` of `gcrot`).
+@jax.tree_util.register_pytree_node_class
+class RecycleSpace:
+    """A recycled space `A U = C`, `C^H C = I` (`Solution.recycle` of `gcrot`
+    and of a recycled `pcg`). Unpacks as the pair `C, U = space`.
 
     Attributes:
         C: a pytree like `b` whose leaves have a leading axis of length `k`
             (the basis index): an orthonormal basis of `A span(U)`.
         U: a pytree of the same shapes with `A U = C` (for the operator of the
             solve that returned it; the next solve recomputes `C` for its own).
+        ledger: `gcrot`'s record of what its solves cost, matvecs per decade
+            of residual reduction: `[cold, recycled]`, the last solve that ran
+            without a handed-on space and the last that ran with one (NaN:
+            none yet), or None (unknown: the space is tried). `gcrot`
+            refreshes a handed-on space only while recycling costs no more
+            than running cold (`worth_refreshing`).
     Rows that are zero in both are unused slots.
     """
 
-    C: PyTree
-    U: PyTree
+    def __init__(self, C: PyTree, U: PyTree, ledger: jax.Array | None = None):
+        self.C, self.U, self.ledger = C, U, ledger
+
+    def __iter__(self):
+        return iter((self.C, self.U))
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index):
+        return (self.C, self.U)[index]
+
+    def __repr__(self) -> str:
+        return f"RecycleSpace(C={self.C!r}, U={self.U!r}, ledger={self.ledger!r})"
+
+    def tree_flatten(self):
+        return (self.C, self.U, self.ledger), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+def worth_refreshing(ledger: jax.Array | None) -> jax.Array | bool:
+    """Whether a handed-on space is refreshed and used (`gcrot`): unless the
+    ledger knows both costs and recycling's, its `k` refresh matvecs
+    included, was higher than running cold (matvecs per decade of residual
+    reduction). A space that costs more than it saves is dropped (the solve
+    runs cold, without the refresh) until cold solves cost more."""
+    if ledger is None:
+        return True
+    cold, recycled = ledger[0], ledger[1]
+    return jnp.isnan(cold) | jnp.isnan(recycled) | (recycled <= cold)
+
+
+def cost_per_decade(matvecs, start, final) -> jax.Array:
+    """Matvecs per decade of residual reduction (`start` to `final` residual
+    norms), or NaN (no verdict) for a solve that reduced it by less than a
+    decade: GMRES's first steps reduce little, so a loose solve's cost per
+    decade says little of a tight one's (a Newton step's early inner solves)."""
+    decades = jnp.log10(start / final)
+    good = (final > 0) & (decades >= 1) & jnp.isfinite(decades)
+    return jnp.where(good, matvecs / jnp.where(good, decades, 1), jnp.nan)
 
 
 def checked(recycle, b, k: int) -> RecycleSpace:
     """`recycle` a pair `(C, U)` of bases like `b` with `k` rows per leaf."""
-    if not (isinstance(recycle, tuple) and len(recycle) == 2):
+    if not (isinstance(recycle, RecycleSpace)
+            or (isinstance(recycle, tuple) and len(recycle) == 2)):
         raise TypeError("`recycle` must be the pair `(C, U)` of a previous solve "
                         f"(`Solution.recycle` of `gcrot` or `pcg`), not {type(recycle).__name__}.")
+    ledger = recycle.ledger if isinstance(recycle, RecycleSpace) else None
+    if ledger is not None and (jnp.shape(ledger) != (2,)
+                               or not jnp.issubdtype(jnp.result_type(ledger), jnp.floating)):
+        raise ValueError(f"`recycle.ledger` must be a float array of shape (2,) (`[cold, "
+                         f"recycled]` costs) or None, not {jnp.shape(ledger)} "
+                         f"{jnp.result_type(ledger)}: pass `Solution.recycle` as it came, "
+                         "or `RecycleSpace(C, U)` without one.")
     structure = jax.tree_util.tree_structure(b)
     for name, basis in zip(("C", "U"), recycle):
         if jax.tree_util.tree_structure(basis) != structure:
@@ -71,7 +128,7 @@ def checked(recycle, b, k: int) -> RecycleSpace:
                 raise TypeError(f"`recycle.{name}` has a {jnp.result_type(leaf)} leaf where "
                                 f"`b`'s is {jnp.result_type(ref)}: recycle within one "
                                 "precision.")
-    return RecycleSpace(*recycle)
+    return RecycleSpace(recycle[0], recycle[1], ledger)
 
 
 def empty(b: PyTree, k: int) -> RecycleSpace:

@@ -242,12 +242,15 @@ def _step(opt: _Options, F, pre, ip, tol, st: _State) -> _State:
 
 def _first_space(opt: _Options, u0):
     """solver="gcrot": an empty recycled space for the first Newton step (the
-    steps then hand theirs on), of the size the inner solve makes."""
+    steps then hand theirs on), of the size the inner solve makes, with an
+    empty ledger (no costs yet)."""
     if opt.solver != "gcrot":
         return None
     options = dict(opt.solver_options)
-    return recycling.empty(u0, space_size(tree.size(u0), options.get("m", GCROT_M),
+    space = recycling.empty(u0, space_size(tree.size(u0), options.get("m", GCROT_M),
                                                 options.get("k", GCROT_K)))
+    return recycling.RecycleSpace(space.C, space.U,
+                                  jnp.full((2,), jnp.nan, tree.result_dtype(u0)))
 
 
 def _iterate(opt: _Options, F: Closed, u0, rest) -> NewtonSolution:
