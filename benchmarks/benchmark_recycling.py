@@ -22,6 +22,12 @@ One device, float64, no preconditioner unless said. Parts (`--only`):
 - `symmetric_adjoint`: the transposed solve of the last symmetric step
   (pcg + Jacobi) cold, against handed the space the recycled sequence ended
   with (k = 40).
+- `family`: the ledger's test bed. Backward-Euler sequences at 64^2-128^2,
+  10-20 steps, slow (the coefficient's phase advances 1 per step) and fast
+  (10) drift, velocity 0 (symmetric), 20 and 200 (strongly nonsymmetric:
+  a handed-on space makes every solve slower there), rtol 1e-8 and 1e-5:
+  total matvecs (a used space's refresh included) and time of `gcrot`
+  recycled against the same `gcrot` cold, and both against gmres(30).
 - `newton`: Bratu 128^2 (lambda = 6), `newton_krylov` with its default
   BiCGStab and with `solver="gcrot"` (the space handed between Newton
   steps), no preconditioner: total inner iterations and time.
@@ -232,10 +238,72 @@ def newton(small):
     return out
 
 
+FAMILY = ((64, 16, 20.0, 1.0, (30, 10), 1e-8), (96, 12, 20.0, 1.0, (60, 40), 1e-8),
+          (96, 12, 200.0, 1.0, (30, 10), 1e-8), (96, 12, 200.0, 1.0, (60, 40), 1e-8),
+          (96, 12, 0.0, 1.0, (30, 10), 1e-8), (128, 10, 20.0, 10.0, (30, 10), 1e-5),
+          (128, 10, 200.0, 10.0, (60, 40), 1e-5), (64, 20, 0.0, 10.0, (60, 40), 1e-5))
+
+
+def _member(n, steps, velocity, drift, m_k, rtol):
+    """`{method: (matvecs, seconds)}` over one sequence (a second, timed pass)."""
+    m, k = m_k
+
+    @jax.jit
+    def gmres(t, u, space):
+        s = sx.gmres(operator(n, t, velocity), u / DT, x0=u, restart=30, rtol=rtol)
+        return s.x, s.iterations, space
+
+    @jax.jit
+    def gcrot(t, u, space):
+        s = sx.gcrot(operator(n, t, velocity), u / DT, x0=u, m=m, k=k, rtol=rtol, recycle=space)
+        return s.x, s.iterations, s.recycle
+
+    out = {}
+    for name, step, hand_on in (("gmres(30)", gmres, False), ("cold", gcrot, False),
+                                ("recycled", gcrot, True)):
+        for _ in range(2):
+            u, space, matvecs = initial(n), None, 0
+            start = time.perf_counter()
+            for i in range(steps):
+                given = space if hand_on else None
+                used = given is not None and bool(_worth(given))
+                u, its, space = step(drift * i, u, given)
+                matvecs += int(its) + (k if used else 0)
+            jax.block_until_ready(u)
+            out[name] = (matvecs, time.perf_counter() - start)
+    return out
+
+
+def _worth(space) -> bool:
+    """Whether `gcrot` refreshes this handed-on space (its ledger's rule)."""
+    return bool(sx._krylov.recycling.worth_refreshing(space.ledger))
+
+
+def family(small):
+    rows = []
+    for n, steps, velocity, drift, m_k, rtol in (((16, 3, 200.0, 1.0, (10, 4), 1e-8),) if small
+                                                 else FAMILY):
+        o = _member(n, steps, velocity, drift, m_k, rtol)
+        row = dict(n=n, steps=steps, velocity=velocity, drift=drift, m=m_k[0], k=m_k[1],
+                   rtol=rtol, **{f"{name}_matvecs": v[0] for name, v in o.items()},
+                   **{f"{name}_s": v[1] for name, v in o.items()})
+        row["recycled_vs_cold"] = o["recycled"][0] / o["cold"][0]
+        row["recycled_vs_gmres"] = o["recycled"][0] / o["gmres(30)"][0]
+        row["time_recycled_vs_cold"] = o["recycled"][1] / o["cold"][1]
+        print(f"{n}^2 x {steps}, velocity {velocity:g}, drift {drift:g}, gcrot{m_k}, rtol "
+              f"{rtol:g}: recycled {row['recycled_vs_cold']:.3f}x cold, "
+              f"{row['recycled_vs_gmres']:.3f}x gmres(30) (cold "
+              f"{o['cold'][0] / o['gmres(30)'][0]:.3f}x); time {row['time_recycled_vs_cold']:.2f}x "
+              "cold", flush=True)
+        rows.append(row)
+    return rows
+
+
 def main():
     args = parse_args(__doc__)
     run_parts(args, (("sequence", sequence), ("symmetric", symmetric), ("adjoint", adjoint),
-                     ("symmetric_adjoint", symmetric_adjoint), ("newton", newton)),
+                     ("symmetric_adjoint", symmetric_adjoint), ("newton", newton),
+                     ("family", family)),
               {"jax": jax.__version__, "cpu_count": os.cpu_count(), "rtol": RTOL}, args.small)
 
 

@@ -67,13 +67,17 @@ def _run(problem: Problem, *, m: int, k: int, max_restarts: int | None,
 
 def _entered(ledger, used, matvecs, start, final) -> jax.Array:
     """The ledger after a solve: its cost per decade in the recycled entry
-    where it ran with a handed-on space (`used`), else in the cold one (a
-    solve of less than a decade leaves the ledger as it was)."""
+    where it ran with a handed-on space (`used`; one more solve since the
+    cold cost), else in the cold one (the age back to 0). A solve of less
+    than a decade records no cost."""
     real = jnp.result_type(start)
-    ledger = jnp.full((2,), jnp.nan, real) if ledger is None else ledger.astype(real)
-    cost = lax.stop_gradient(recycling.cost_per_decade(matvecs.astype(real), start, final))
-    entry = jnp.where(used, 1, 0)
-    return jnp.where(jnp.isnan(cost), ledger, ledger.at[entry].set(cost))
+    ledger = recycling.empty_ledger(real) if ledger is None else ledger.astype(real)
+    cost = recycling.cost_per_decade(matvecs.astype(real), start, final)
+    cold, recycled, age = ledger[0], ledger[1], ledger[2]
+    as_recycled = jnp.stack([cold, jnp.where(jnp.isnan(cost), recycled, cost), age + 1])
+    as_cold = jnp.stack([jnp.where(jnp.isnan(cost), cold, cost), recycled,
+                         jnp.where(jnp.isnan(cost), age, 0)])
+    return lax.stop_gradient(jnp.where(used, as_recycled, as_cold))
 
 
 GCROT = driver.register(contract.Method("gcrot", _run))
@@ -120,20 +124,22 @@ def gcrot(
     so a first solve already deflates across its restarts.
 
     A space is handed on only while it pays. `Solution.recycle.ledger`
-    records `[cold, recycled]`: the matvecs per decade of residual reduction
-    of the last solve that ran without a handed-on space and of the last
-    that ran with one (its `k` refresh matvecs included; a solve of less
-    than a decade records nothing). A solve handed a space whose ledger
-    says recycling cost more than running cold skips the refresh and runs
-    cold; it hands its own space on, and recycling is tried again once cold
-    solves cost more. A space given without a ledger (`(C, U)` or
-    `RecycleSpace(C, U)`) is always used. Measured on backward-Euler
-    sequences of convection-diffusion (64^2-128^2, 10-20 steps, slow and
-    fast drift, symmetric and not, `benchmarks/benchmark_recycling.py
-    --only family`): where handing the space on made every solve slower
-    (strong convection: 1.80-1.91x the matvecs of the same gcrot cold),
-    the ledger drops it after one solve (1.02-1.04x); where it pays
-    (0.85x cold) it keeps it.
+    records `[cold, recycled, age]`: the matvecs per decade of residual
+    reduction of the last solve that ran without a handed-on space and of
+    the last that ran with one (its `k` refresh matvecs included; a solve
+    of less than a decade records nothing), and the recycled solves since
+    the cold cost was measured. A solve handed a space whose ledger says
+    recycling cost more than running cold skips the refresh and runs cold,
+    handing its own space on; recycling is tried again once cold solves
+    cost more. A narrow win (recycled above 0.8 of cold) against a cold
+    cost four recycled solves old runs cold once, to measure it again
+    (`recycling.worth_refreshing`). A space given without a ledger (`(C,
+    U)` or `RecycleSpace(C, U)`) is always used. Measured on backward-Euler
+    sequences of convection-diffusion (`benchmarks/benchmark_recycling.py
+    --only family`, 64^2-128^2): where handing the space on made every
+    solve slower (strong convection: 1.73-1.81x the matvecs of the same
+    gcrot cold), the ledger drops it after one solve (1.02-1.04x); where it
+    pays it is kept (0.85-0.94x cold).
 
     Derivatives are implicit, as for every solver: `jax.grad` runs one
     `gcrot` on the transposed system, handed this solve's final space (for

@@ -43,12 +43,13 @@ class RecycleSpace:
             (the basis index): an orthonormal basis of `A span(U)`.
         U: a pytree of the same shapes with `A U = C` (for the operator of the
             solve that returned it; the next solve recomputes `C` for its own).
-        ledger: `gcrot`'s record of what its solves cost, matvecs per decade
-            of residual reduction: `[cold, recycled]`, the last solve that ran
-            without a handed-on space and the last that ran with one (NaN:
-            none yet), or None (unknown: the space is tried). `gcrot`
-            refreshes a handed-on space only while recycling costs no more
-            than running cold (`worth_refreshing`).
+        ledger: `gcrot`'s record of what its solves cost, in matvecs per
+            decade of residual reduction: `[cold, recycled, age]`, the last
+            solve that ran without a handed-on space, the last that ran with
+            one (its `k` refresh matvecs included; NaN: none yet), and the
+            recycled solves since the cold cost was measured; or None (the
+            space is used). `gcrot` refreshes a handed-on space only while
+            recycling costs no more than running cold (`worth_refreshing`).
     Rows that are zero in both are unused slots.
     """
 
@@ -75,16 +76,37 @@ class RecycleSpace:
         return cls(*children)
 
 
+#: Entries of a ledger: `[cold, recycled, age]`.
+LEDGER = 3
+#: A recycled solve whose cost is not this far below the cold reference
+#: (matvecs per decade) ...
+PROBE_MARGIN = 0.8
+#: ... after this many recycled solves since the reference was measured
+#: runs cold once instead, to measure it again: along a sequence whose
+#: systems grow easier an old cold cost flatters recycling.
+PROBE_AFTER = 4
+
+
 def worth_refreshing(ledger: jax.Array | None) -> jax.Array | bool:
-    """Whether a handed-on space is refreshed and used (`gcrot`): unless the
-    ledger knows both costs and recycling's, its `k` refresh matvecs
-    included, was higher than running cold (matvecs per decade of residual
-    reduction). A space that costs more than it saves is dropped (the solve
-    runs cold, without the refresh) until cold solves cost more."""
+    """Whether a handed-on space is refreshed and used (`gcrot`), from its
+    ledger `[cold, recycled, age]` (`RecycleSpace.ledger`): while either
+    cost is unknown, or recycling (its `k` refresh matvecs included) cost no
+    more than running cold, except that a narrow win (recycled above
+    `PROBE_MARGIN` of cold) on a reference `PROBE_AFTER` recycled solves old
+    runs cold once to measure the reference again. A space that costs more
+    than it saves is dropped (the solve runs cold, without the refresh)
+    until cold solves cost more."""
     if ledger is None:
         return True
-    cold, recycled = ledger[0], ledger[1]
-    return jnp.isnan(cold) | jnp.isnan(recycled) | (recycled <= cold)
+    cold, recycled, age = ledger[0], ledger[1], ledger[2]
+    untried = jnp.isnan(cold) | jnp.isnan(recycled)
+    probe = (age >= PROBE_AFTER) & (recycled > PROBE_MARGIN * cold)
+    return untried | ((recycled <= cold) & ~probe)
+
+
+def empty_ledger(dtype) -> jax.Array:
+    """A ledger with nothing recorded: the space is tried."""
+    return jnp.array([jnp.nan, jnp.nan, 0], dtype)
 
 
 def cost_per_decade(matvecs, start, final) -> jax.Array:
@@ -104,10 +126,10 @@ def checked(recycle, b, k: int) -> RecycleSpace:
         raise TypeError("`recycle` must be the pair `(C, U)` of a previous solve "
                         f"(`Solution.recycle` of `gcrot` or `pcg`), not {type(recycle).__name__}.")
     ledger = recycle.ledger if isinstance(recycle, RecycleSpace) else None
-    if ledger is not None and (jnp.shape(ledger) != (2,)
+    if ledger is not None and (jnp.shape(ledger) != (LEDGER,)
                                or not jnp.issubdtype(jnp.result_type(ledger), jnp.floating)):
-        raise ValueError(f"`recycle.ledger` must be a float array of shape (2,) (`[cold, "
-                         f"recycled]` costs) or None, not {jnp.shape(ledger)} "
+        raise ValueError(f"`recycle.ledger` must be a float array of shape ({LEDGER},) "
+                         f"(`[cold, recycled, age]`) or None, not {jnp.shape(ledger)} "
                          f"{jnp.result_type(ledger)}: pass `Solution.recycle` as it came, "
                          "or `RecycleSpace(C, U)` without one.")
     structure = jax.tree_util.tree_structure(b)

@@ -250,7 +250,7 @@ def _first_space(opt: _Options, u0):
     space = recycling.empty(u0, space_size(tree.size(u0), options.get("m", GCROT_M),
                                                 options.get("k", GCROT_K)))
     return recycling.RecycleSpace(space.C, space.U,
-                                  jnp.full((2,), jnp.nan, tree.result_dtype(u0)))
+                                  recycling.empty_ledger(tree.result_dtype(u0)))
 
 
 def _iterate(opt: _Options, F: Closed, u0, rest) -> NewtonSolution:
