@@ -248,3 +248,25 @@ def test_a_ledger_of_another_shape_is_refused_and_a_space_without_one_accepted()
         sx.gcrot(A, rhs(1), m=10, k=4, recycle=sx.RecycleSpace(C, U, jnp.zeros(2)))
     assert bool(sx.gcrot(A, rhs(1), m=10, k=4, recycle=sx.RecycleSpace(C, U)).converged)
     assert bool(sx.gcrot(A, rhs(1), m=10, k=4, recycle=(C, U)).converged)
+
+
+def test_a_ledgered_sequence_differentiates_inside_shard_map():
+    """Spaces handed on with their ledgers inside `shard_map`, a derivative
+    through the whole sequence (the transposed solves run without a ledger)."""
+    m = mesh(8)
+    d = put(jnp.asarray(2.0 + np.random.default_rng(0).random(512)), m, "i")
+    b = put(jnp.ones(512), m, "i")
+
+    def sequence(d, b):
+        space, x = None, b
+        for scale in (1.0, 1.1, 1.2):
+            s = sx.gcrot(lambda v, c=scale: c * d * v, b, m=12, k=4, axis_name="i",
+                         rtol=1e-10, recycle=space)
+            space, x = s.recycle, s.x
+        return x
+
+    f = jax.jit(sx.shard_map(sequence, mesh=m, in_specs=(P("i"), P("i")), out_specs=P("i")))
+    np.testing.assert_allclose(f(d, b), np.asarray(b) / (1.2 * np.asarray(d)), rtol=1e-8)
+    grad = jax.grad(lambda d: jnp.sum(f(d, b) ** 2))(d)
+    want = -2 * np.asarray(b) ** 2 / (1.2 ** 2 * np.asarray(d) ** 3)
+    np.testing.assert_allclose(grad, want, rtol=1e-6)

@@ -61,6 +61,8 @@ def _run(problem: Problem, *, m: int, k: int, max_restarts: int | None,
     outcome, start = gmres.restarted(problem, arnoldi, m=m, max_restarts=max_restarts,
                                      record_history=record_history, space=space, renew=renew)
     C, U = outcome.recycle
+    if given is not None and given.ledger is None:
+        return outcome._replace(recycle=RecycleSpace(C, U))  # a space given by hand
     return outcome._replace(recycle=RecycleSpace(C, U, _entered(
         ledger, used, outcome.iterations + jnp.where(used, k, 0), start, outcome.residual[0])))
 
@@ -134,7 +136,9 @@ def gcrot(
     cost more. A narrow win (recycled above 0.8 of cold) against a cold
     cost four recycled solves old runs cold once, to measure it again
     (`recycling.worth_refreshing`). A space given without a ledger (`(C,
-    U)` or `RecycleSpace(C, U)`) is always used. Measured on backward-Euler
+    U)` or `RecycleSpace(C, U)`) is always used, and the space such a solve
+    returns has none either: a chain of spaces started from `recycle=None`
+    keeps the ledger. Measured on backward-Euler
     sequences of convection-diffusion (`benchmarks/benchmark_recycling.py
     --only family`, 64^2-128^2): where handing the space on made every
     solve slower (strong convection: 1.73-1.81x the matvecs of the same
