@@ -115,6 +115,9 @@ def test_benchmark_recycling_small(tmp_path):
         assert row["matvecs"] == sum(row["per_system"]) > 0
     assert data["newton"]["inner_ratio"] == (data["newton"]["gcrot"]["inner"]
                                              / data["newton"]["bicgstab"]["inner"])
+    (member,) = data["family"]  # the ledger's test bed, one tiny member
+    assert member["recycled_vs_cold"] == member["recycled_matvecs"] / member["cold_matvecs"]
+    assert member["gmres(30)_matvecs"] > 0 and member["recycled_matvecs"] > 0
 
 
 def test_benchmark_newton_small(tmp_path):
