@@ -3,7 +3,7 @@
 `python benchmarks/accelerator_speed.py [--small] [--out DIR] [--only TEXT ...]`
 
 One process, float32, solvax and its peers interleaved (each round runs every
-contender once; the best round is kept). Parts (`--only`):
+contender once; medians of the rounds, `problems.interleaved`). Parts (`--only`):
 
 - `triad`: `1.5 x + z` on 2^26 floats, the practical bandwidth (GB/s).
 - `krylov`: a fixed number of steps (rtol far below reach), milliseconds per
@@ -33,16 +33,25 @@ import argparse
 import datetime
 import json
 import os
+import re
 import time
 
 import jax
 import jax.numpy as jnp
 import jax.scipy.sparse.linalg as jsl
 import numpy as np
+from problems import convection_diffusion, interleaved, poisson, space_used
 
 import solvax as sx
+from solvax._accounting import counter
 
+#: HLO instructions that launch no kernel of their own
+NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all",
+             "opt-barrier", "partition-id", "replica-id"}
+
+convection = convection_diffusion(10.0)
 DTYPE = jnp.float32
+HLO_DIR = None  # --hlo: where each Krylov contender's optimized HLO is written
 FAR = 1e-30  # an rtol no float32 solve reaches: the step limit ends every solve
 
 #: Vector passes per step (reads + writes of a grid-sized vector; a 5-point
@@ -80,39 +89,11 @@ def cycle_passes(levels: int, steps: int = 2, dims: int = 2) -> float:
     return per_level * sum(2.0 ** (-dims * i) for i in range(levels))
 
 
-def poisson(x):
-    """5-point Dirichlet Laplacian (unscaled)."""
-    xp = jnp.pad(x, 1)
-    return 4 * x - xp[:-2, 1:-1] - xp[2:, 1:-1] - xp[1:-1, :-2] - xp[1:-1, 2:]
-
-
-def convection(x, strength=10.0):
-    xp = jnp.pad(x, 1)
-    return poisson(x) + strength / (x.shape[0] + 1) * (x - xp[:-2, 1:-1])
-
-
-def best_of(contenders: dict, rounds: int) -> dict:
-    """Seconds of each contender `name: (f, args)` (`f` compiled, its arrays
-    passed as arguments, never closed over), interleaved, the best round."""
-    compiled = {}
-    for name, (f, args) in contenders.items():
-        f = jax.jit(f)
-        jax.block_until_ready(f(*args))
-        compiled[name] = (f, args)
-    best = {name: float("inf") for name in compiled}
-    for _ in range(rounds):
-        for name, (f, args) in compiled.items():
-            t = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            best[name] = min(best[name], time.perf_counter() - t)
-    return best
-
-
 def triad(small: bool) -> dict:
     n = 2**16 if small else 2**26
     x = jnp.ones(n, DTYPE)
     z = jnp.full(n, 2.0, DTYPE)
-    seconds = best_of({"triad": (lambda x, z: 1.5 * x + z, (x, z))}, 10)["triad"]
+    seconds = interleaved({"triad": lambda x, z: 1.5 * x + z}, x, z, rounds=10)["triad"]
     gbs = 3 * n * x.dtype.itemsize / seconds / 1e9
     return {"floats": n, "seconds": seconds, "GB/s": gbs}
 
@@ -166,12 +147,72 @@ def krylov(small: bool, bandwidth: float) -> list[dict]:
     return rows
 
 
+def step_kernels(text: str) -> dict:
+    """Kernels per step of a compiled solve (optimized HLO `text`): the
+    instructions of its step loop's body that launch one (a fusion counts
+    once; a conditional counts its costlier branch, a nested call its
+    callee). The step loop is the deepest `while`, the costliest of those.
+    Returns `{"kernels": n, "opcodes": {opcode: count}}`."""
+    comps, entry = counter._parse(text)
+
+    def kernels(comp, seen=()):
+        found = {}
+        for _, _, opcode, rest in comps.get(comp, []):
+            if opcode in NO_KERNEL or comp in seen:
+                continue
+            if opcode in ("conditional", "call"):
+                called = counter._CALLED.findall(rest)
+                for group in counter._CALLED_LIST.findall(rest):
+                    called += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+                inner = [kernels(c, seen + (comp,)) for c in called]
+                best = max(inner, key=lambda k: sum(k.values()), default={})
+                for k, v in best.items():
+                    found[k] = found.get(k, 0) + v
+                continue
+            found[opcode] = found.get(opcode, 0) + 1
+        return found
+
+    loops = []  # (depth, body)
+
+    def visit(comp, depth, seen=()):
+        for _, _, opcode, rest in comps.get(comp, []):
+            called = counter._CALLED.findall(rest)
+            for group in counter._CALLED_LIST.findall(rest):
+                called += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+            if opcode == "fusion" or comp in seen:
+                continue
+            if opcode == "while":
+                body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
+                loops.append((depth + 1, body))
+                visit(body, depth + 1, seen + (comp,))
+            else:
+                for c in called:
+                    visit(c, depth, seen + (comp,))
+
+    visit(entry, 0)
+    if not loops:
+        return {"kernels": 0, "opcodes": {}, "loops": []}
+    deepest = max(d for d, _ in loops)
+    best = max((kernels(b) for d, b in loops if d == deepest), key=lambda k: sum(k.values()))
+    return {"kernels": sum(best.values()), "opcodes": best,
+            "loops": [(d, sum(kernels(b).values())) for d, b in loops]}
+
+
 def _per_step(problem, n, ours, peers, reference, steps, bandwidth):
     b = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), DTYPE)
     contenders = {name: _steps(f, steps) for name, f in ours.items()}
     contenders.update(peers)
     counts = {name: int(jax.jit(f)(b)[1]) for name, f in contenders.items()}
-    seconds = best_of({k: (lambda b, f=f: f(b)[0], (b,)) for k, f in contenders.items()}, 5)
+    texts = {name: counter.compiled_text(lambda b, f=f: f(b)[0], b)
+             for name, f in contenders.items()}
+    if HLO_DIR:
+        os.makedirs(HLO_DIR, exist_ok=True)
+        for name, text in texts.items():
+            tag = re.sub(r"\W+", "_", f"{problem} {name}")
+            with open(os.path.join(HLO_DIR, f"{tag}.txt"), "w") as f:
+                f.write(text)
+    seconds = interleaved({k: (lambda b, f=f: f(b)[0]) for k, f in contenders.items()}, b,
+                          rounds=5)
     vector_s = n * n * jnp.dtype(DTYPE).itemsize / (bandwidth * 1e9)
     rows = []
     for name in contenders:
@@ -180,7 +221,8 @@ def _per_step(problem, n, ours, peers, reference, steps, bandwidth):
         rows.append({"problem": problem, "method": name, "steps": counts[name],
                      "ms_per_step": 1e3 * per,
                      "ratio": per / (seconds[reference] / max(counts[reference], 1)),
-                     "passes": passes, "passes_ms": 1e3 * passes * vector_s})
+                     "passes": passes, "passes_ms": 1e3 * passes * vector_s,
+                     "kernels": step_kernels(texts[name])})
     return rows
 
 
@@ -210,8 +252,10 @@ def multigrid(small: bool, bandwidth: float) -> list[dict]:
         first = time.perf_counter() - t
         M = jax.jit(lambda k, n=n, cycle=cycle: sx.multigrid(
             sx.diffusion_operator(k, spacing=1.0 / n), cycle=cycle))(k)
-        timing = best_of({"solve": (lambda k, b: solve(k, b).x, (k, b)),
-                          "cycle": (lambda M, r: M(r), (M, b)), "cg step": (cg, (k, b))}, 5)
+        # every contender takes (k, b, M); the arrays are arguments, never constants
+        timing = interleaved({"solve": lambda k, b, M: solve(k, b).x,
+                              "cycle": lambda k, b, M: M(b),
+                              "cg step": lambda k, b, M: cg(k, b)}, k, b, M, rounds=5)
         step = timing["cg step"] / 20
         levels = len(M.levels)
         model = cycle_passes(levels, dims=len(shape))
@@ -256,9 +300,10 @@ def recycling(small: bool) -> list[dict]:
             start = time.perf_counter()
             for i in range(steps):
                 given = space if hand_on else None
+                used = given is not None and space_used(given)
                 u, its, space = step(jnp.asarray(float(i), DTYPE), u, given)
-                # a handed-on space is refreshed for the new operator: k matvecs
-                matvecs += int(its) + (sx._krylov.gcrot.K if given is not None else 0)
+                # a space the ledger used cost its k refresh matvecs
+                matvecs += int(its) + (sx._krylov.gcrot.K if used else 0)
             jax.block_until_ready(u)
             seconds = time.perf_counter() - start
         rows.append({"method": name, "matvecs": matvecs, "seconds": seconds})
@@ -273,9 +318,10 @@ def markdown(meta, out) -> str:
         lines += [f"Triad `1.5 x + z`: {out['triad']['GB/s']:.0f} GB/s.", ""]
     if "krylov" in out:
         lines += ["| problem | method | steps | ms/step | ratio to peer | passes/step | "
-                  "passes at triad (ms) |", "|---|---|---|---|---|---|---|"]
+                  "passes at triad (ms) | kernels/step |", "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['problem']} | {r['method']} | {r['steps']} | {r['ms_per_step']:.4f} | "
-                  f"{r['ratio']:.2f} | {r['passes']:.1f} | {r['passes_ms']:.4f} |"
+                  f"{r['ratio']:.2f} | {r['passes']:.1f} | {r['passes_ms']:.4f} | "
+                  f"{r['kernels']['kernels']} |"
                   for r in out["krylov"]]
         lines.append("")
     if "multigrid" in out:
@@ -300,7 +346,10 @@ def main():
     p.add_argument("--small", action="store_true", help="tiny sizes (a smoke test)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--only", nargs="+", default=[""], metavar="TEXT")
+    p.add_argument("--hlo", default=None, help="write each Krylov contender's optimized HLO here")
     args = p.parse_args()
+    global HLO_DIR
+    HLO_DIR = args.hlo
     device = jax.devices()[0]
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "backend": jax.default_backend(),

@@ -43,7 +43,7 @@ import jax
 jax.config.update("jax_enable_x64", True)
 
 import jax.numpy as jnp  # noqa: E402
-from problems import bratu, parse_args, run_parts  # noqa: E402
+from problems import bratu, parse_args, run_parts, space_used  # noqa: E402
 
 import solvax as sx  # noqa: E402
 
@@ -84,7 +84,7 @@ def run_sequence(n, steps, solve, recycled_k=0):
     for i in range(steps):
         # a handed-on space costs its k refresh matvecs where it is used
         # (gcrot's ledger may run a solve cold instead)
-        used = space is not None and _worth(space)
+        used = space is not None and space_used(space)
         u, its, status, space = solve(float(i), u, space)
         assert int(status) == 0, (i, int(status))
         per_system.append(int(its) + (recycled_k if used else 0))
@@ -269,18 +269,12 @@ def _member(n, steps, velocity, drift, m_k, rtol):
             start = time.perf_counter()
             for i in range(steps):
                 given = space if hand_on else None
-                used = given is not None and bool(_worth(given))
+                used = given is not None and space_used(given)
                 u, its, space = step(drift * i, u, given)
                 matvecs += int(its) + (k if used else 0)
             jax.block_until_ready(u)
             out[name] = (matvecs, time.perf_counter() - start)
     return out
-
-
-def _worth(space) -> bool:
-    """Whether a handed-on space is refreshed and used: `gcrot`'s ledger
-    decides; deflated CG's space (no ledger) always is."""
-    return bool(sx._krylov.recycling.worth_refreshing(getattr(space, "ledger", None)))
 
 
 def family(small):

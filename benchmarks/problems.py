@@ -106,6 +106,15 @@ def interleaved(fns, *args, rounds):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def space_used(space) -> bool:
+    """Whether a solve handed the recycled `space` refreshes and uses it (and
+    so spends its `k` refresh matvecs): `gcrot`'s ledger decides; a space
+    without one (deflated CG's, or one given by hand) always is."""
+    import solvax as sx
+
+    return bool(sx._krylov.recycling.worth_refreshing(getattr(space, "ledger", None)))
+
+
 def median_time(fn, *args, repeats=5):
     """Median wall time (s) of `repeats` warm runs of `jax.jit(fn)(*args)`
     (the first call, which compiles, is not timed)."""
