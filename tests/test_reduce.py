@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import solvax as sx
 from solvax._core import reduce as _reduce
+from solvax._core import tree as _tree
 
 SRC = pathlib.Path(sx.__file__).parent
 
@@ -128,6 +129,49 @@ def test_one_device_products_are_separate_sums(stacks, monkeypatch):
         monkeypatch.undo()
         jax.clear_caches()
     assert bool(_stacked_shapes(jaxpr.jaxpr, (32, 32))) == stacks
+    assert bool(solution.converged)
+    assert rel_err(A(solution.x), b) < 1e-9
+
+
+def _dot_outputs(jaxpr, shape):
+    """Output shapes `(s, *shape)` of the `dot_general`s of `jaxpr` (nested too)."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found |= {tuple(v.aval.shape) for v in eqn.outvars if v.aval.shape[1:] == shape}
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found |= _dot_outputs(sub, shape)
+    return found
+
+
+def test_basis_combination_rule():
+    """A TPU combines a basis by an elementwise sum (a `dot` there interleaves
+    the basis rows: 1.75x GMRES's step on the chip); CPU and GPU by a GEMM."""
+    assert not _tree.combines_by_gemm("tpu")
+    assert _tree.combines_by_gemm("cpu") and _tree.combines_by_gemm("gpu")
+
+
+@pytest.mark.parametrize("gemm", [True, False])
+@pytest.mark.parametrize("solver", ["gmres", "gcrot"])
+def test_basis_combinations_follow_the_rule(gemm, solver, monkeypatch):
+    """GMRES's and GCRO-DR's basis combinations are `dot_general`s only where
+    `combines_by_gemm` says so (what a TPU compiles is pinned here on the
+    CPU); the answer is the same either way."""
+    A = lambda x: x * jnp.linspace(1.0, 3.0, 32)[None, :] + 0.1 * jnp.roll(x, 1, 0)  # noqa: E731
+    b = jnp.ones((32, 32))
+    jax.clear_caches()
+    monkeypatch.setattr(_tree, "combines_by_gemm", lambda *a, **k: gemm)
+    try:
+        solve = lambda b: getattr(sx, solver)(A, b, rtol=1e-10)  # noqa: E731
+        jaxpr = jax.make_jaxpr(solve)(b)
+        solution = solve(b)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert bool(_dot_outputs(jaxpr.jaxpr, (32, 32))) == gemm
     assert bool(solution.converged)
     assert rel_err(A(solution.x), b) < 1e-9
 

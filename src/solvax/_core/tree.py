@@ -143,8 +143,7 @@ def basis_join(parts: list[PyTree]) -> PyTree:
 def basis_mix(basis: PyTree, coeffs) -> PyTree:
     """The basis whose row i is `sum_j coeffs[i, j] * basis[j]`: one contraction
     over the basis axis per leaf (a GEMM reading the basis once)."""
-    return tree_map(lambda leaf: jnp.tensordot(like(coeffs, leaf), leaf, axes=(1, 0),
-                                               precision=PRECISION), basis)
+    return tree_map(lambda leaf: _contract_basis_axis(coeffs, leaf), basis)
 
 
 def basis_combine(basis: PyTree, coeffs) -> PyTree:
@@ -159,9 +158,33 @@ def basis_combine_many(basis: PyTree, coeffs: list) -> list[PyTree]:
     basis `(m, ...)`: a GEMM that reads the basis once, faster than separate
     combinations (measured: `docs/krylov.md`, "whole-basis copies in GMRES")."""
     stacked = jnp.stack(coeffs)
-
-    def combine(leaf):
-        return jnp.tensordot(like(stacked, leaf), leaf, axes=(1, 0), precision=PRECISION)
-
-    combined = tree_map(combine, basis)
+    combined = tree_map(lambda leaf: _contract_basis_axis(stacked, leaf), basis)
     return [tree_map(lambda leaf, i=i: leaf[i], combined) for i in range(len(coeffs))]
+
+
+def combines_by_gemm(backend: str | None = None) -> bool:
+    """The rule for how a basis is combined (`basis_combine_many`, `basis_mix`).
+
+    - **CPU and GPU**: a GEMM (`tensordot` over the basis axis), one pass
+      over the basis.
+    - **TPU**: an elementwise product summed over the basis axis (a
+      reduction fusion, also one pass). A `dot` there makes XLA's layout
+      assignment interleave the basis rows into the matrix unit's tiles
+      (layout `{2,0,1}` for a 2-D leaf), and every Arnoldi step's write of
+      a new row then costs copies: one-sync GMRES(30) at 2048^2 took 2.92 ms
+      per matvec with the GEMM and 1.67 ms with the sum (jax.scipy's: 1.54),
+      on a TPU v5e chip (`benchmarks/results/tpu.md`).
+
+    `backend` defaults to JAX's default backend (the target of a `jit`
+    without explicit devices)."""
+    backend = jax.default_backend() if backend is None else backend
+    return backend != "tpu"
+
+
+def _contract_basis_axis(coeffs: jax.Array, leaf: jax.Array) -> jax.Array:
+    """`coeffs (s, m)` times a basis leaf `(m, *shape)` over the basis axis:
+    `(s, *shape)`, by the backend's rule (`combines_by_gemm`)."""
+    coeffs = like(coeffs, leaf)
+    if combines_by_gemm():
+        return jnp.tensordot(coeffs, leaf, axes=(1, 0), precision=PRECISION)
+    return jnp.sum(coeffs.reshape(coeffs.shape + (1,) * (leaf.ndim - 1)) * leaf[None], axis=1)
