@@ -15,6 +15,9 @@ contender once; medians of the rounds, `problems.interleaved`). Parts (`--only`)
   peer beside the vector passes per step the method needs (`PASSES`: reads
   plus writes of a grid-sized vector, a 5-point matvec counted as 2) and the
   time those passes take at the measured triad bandwidth.
+- `tolerance`: at 2048^2 each Krylov method to rtol 1e-4 against its peer
+  (time, iterations, true relative residual): every round of the methods
+  that confirm convergence on the true residual runs.
 - `multigrid`: MG-CG (`pcg` with `multigrid`, V, W and F cycles) on Poisson
   at 1024^2 to 4096^2 and 128^3: first call (trace + compile + run), warm
   solve, one V-cycle against one plain CG step of the same size, the
@@ -151,13 +154,15 @@ def step_kernels(text: str) -> dict:
     """Kernels per step of a compiled solve (optimized HLO `text`): the
     instructions of its step loop's body that launch one (a fusion counts
     once; a conditional counts its costlier branch, a nested call its
-    callee). The step loop is the deepest `while`, the costliest of those.
-    Returns `{"kernels": n, "opcodes": {opcode: count}}`."""
+    callee), and of those the `vector` ones (an array result; a TPU runs the
+    scalar ones on its scalar unit, about 0.1 us each as measured). The step
+    loop is the deepest `while`, the costliest of those. Returns
+    `{"kernels": n, "vector": v, "opcodes": {opcode: count}, "loops": [...]}`."""
     comps, entry = counter._parse(text)
 
     def kernels(comp, seen=()):
         found = {}
-        for _, _, opcode, rest in comps.get(comp, []):
+        for _, shape, opcode, rest in comps.get(comp, []):
             if opcode in NO_KERNEL or comp in seen:
                 continue
             if opcode in ("conditional", "call"):
@@ -170,6 +175,8 @@ def step_kernels(text: str) -> dict:
                     found[k] = found.get(k, 0) + v
                 continue
             found[opcode] = found.get(opcode, 0) + 1
+            if re.search(r"\[\d", shape):  # writes an array: a vector kernel
+                found["(vector)"] = found.get("(vector)", 0) + 1
         return found
 
     loops = []  # (depth, body)
@@ -190,12 +197,61 @@ def step_kernels(text: str) -> dict:
                     visit(c, depth, seen + (comp,))
 
     visit(entry, 0)
+    def total(found):
+        return sum(v for k, v in found.items() if k != "(vector)")
+
     if not loops:
-        return {"kernels": 0, "opcodes": {}, "loops": []}
+        return {"kernels": 0, "vector": 0, "opcodes": {}, "loops": []}
     deepest = max(d for d, _ in loops)
-    best = max((kernels(b) for d, b in loops if d == deepest), key=lambda k: sum(k.values()))
-    return {"kernels": sum(best.values()), "opcodes": best,
-            "loops": [(d, sum(kernels(b).values())) for d, b in loops]}
+    best = max((kernels(b) for d, b in loops if d == deepest), key=total)
+    return {"kernels": total(best), "vector": best.pop("(vector)", 0), "opcodes": best,
+            "loops": [(d, total(kernels(b))) for d, b in loops]}
+
+
+def tolerance(small: bool) -> list[dict]:
+    """CG and BiCGStab to a float32 tolerance (rtol 1e-4, above float32's
+    floor): time, iterations and status beside the peer's. The rounds that
+    confirm pipelined CG's and BiCGStab's stopping test on the true residual
+    (`steps.confirmed_rounds`) all run here, which a fixed step count does
+    not show. (Restarted GMRES is left out: to 1e-4 at 2048^2 it takes
+    minutes on either side.)"""
+    n = 64 if small else 2048
+    rtol = 1e-4
+    cases = {
+        "Poisson": (poisson, "jax.scipy cg", {
+            "pcg": lambda b: sx.pcg(poisson, b, rtol=rtol),
+            "pcg single_reduction": lambda b: sx.pcg(poisson, b, rtol=rtol,
+                                                     single_reduction=True),
+            "pcg pipelined": lambda b: sx.pcg(poisson, b, rtol=rtol, method="pipelined"),
+            "jax.scipy cg": lambda b: jsl.cg(poisson, b, tol=rtol)}),
+        "convection-diffusion": (convection, "jax.scipy bicgstab", {
+            "bicgstab": lambda b: sx.bicgstab(convection, b, rtol=rtol),
+            "bicgstab one_sync": lambda b: sx.bicgstab(convection, b, rtol=rtol,
+                                                       method="one_sync"),
+            "jax.scipy bicgstab": lambda b: jsl.bicgstab(convection, b, tol=rtol)}),
+    }
+    b = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), DTYPE)
+    rows = []
+    for problem, (A, reference, contenders) in cases.items():
+        xs = {name: jax.jit(lambda b, f=f: _x(f(b)))(b) for name, f in contenders.items()}
+        seconds = interleaved({k: (lambda b, f=f: _x(f(b))) for k, f in contenders.items()}, b,
+                              rounds=5)
+        bnorm = float(jnp.linalg.norm(b))
+        for name, f in contenders.items():
+            ours = not name.startswith("jax.scipy")
+            its, status = jax.jit(lambda b, f=f: (f(b).iterations, f(b).status))(b) if ours \
+                else (None, None)
+            rows.append({"problem": f"{problem} {n}^2", "method": name,
+                         "iterations": None if its is None else int(its),
+                         "status": None if status is None else sx.Status(int(status)).name,
+                         "seconds": seconds[name], "ratio": seconds[name] / seconds[reference],
+                         "true_residual": float(jnp.linalg.norm(b - A(xs[name]))) / bnorm})
+    return rows
+
+
+def _x(result):
+    """The solution of a solvax `Solution` or a jax.scipy `(x, info)`."""
+    return result.x if hasattr(result, "x") else result[0]
 
 
 def _per_step(problem, n, ours, peers, reference, steps, bandwidth):
@@ -318,11 +374,22 @@ def markdown(meta, out) -> str:
         lines += [f"Triad `1.5 x + z`: {out['triad']['GB/s']:.0f} GB/s.", ""]
     if "krylov" in out:
         lines += ["| problem | method | steps | ms/step | ratio to peer | passes/step | "
-                  "passes at triad (ms) | kernels/step |", "|---|---|---|---|---|---|---|---|"]
+                  "passes at triad (ms) | kernels/step (vector) |",
+                  "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['problem']} | {r['method']} | {r['steps']} | {r['ms_per_step']:.4f} | "
                   f"{r['ratio']:.2f} | {r['passes']:.1f} | {r['passes_ms']:.4f} | "
-                  f"{r['kernels']['kernels']} |"
+                  f"{r['kernels']['kernels']}"
+                  + (f" ({r['kernels']['vector']})" if "vector" in r["kernels"] else "") + " |"
                   for r in out["krylov"]]
+        lines.append("")
+    if "tolerance" in out:
+        lines += ["To rtol 1e-4 (float32), time to the tolerance against the peer:", "",
+                  "| problem | method | iterations | status | seconds | ratio to peer | "
+                  "true relative residual |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['problem']} | {r['method']} | {r['iterations'] or '-'} | "
+                  f"{r['status'] or '-'} | "
+                  f"{r['seconds']:.4f} | {r['ratio']:.2f} | {r['true_residual']:.1e} |"
+                  for r in out["tolerance"]]
         lines.append("")
     if "multigrid" in out:
         lines += ["| case | first s | iterations | solve ms | cycle ms | CG step ms | "
@@ -361,6 +428,7 @@ def main():
     bandwidth = out["triad"]["GB/s"]
     print(f"triad: {bandwidth:.0f} GB/s", flush=True)
     for name, part in (("krylov", lambda: krylov(args.small, bandwidth)),
+                       ("tolerance", lambda: tolerance(args.small)),
                        ("multigrid", lambda: multigrid(args.small, bandwidth)),
                        ("recycling", lambda: recycling(args.small))):
         if wanted(name):
