@@ -217,8 +217,10 @@ def tolerance(dtype, name: str = "") -> tuple[float, float]:
 LOW_SINGLE_PRECISION_ACCURACY = {"pcg_pipelined", "bicgstab_one_sync", "idrs", "minres"}
 
 
-def count_primitives(closed_jaxpr, prefix: str) -> int:
-    """Occurrences of primitives whose name starts with `prefix`, in nested jaxprs too."""
+def all_equations(jaxpr):
+    """Every equation of `jaxpr` (a `Jaxpr` or `ClosedJaxpr`), those of its
+    nested jaxprs (loops, conditionals, calls) included."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
 
     def subjaxprs(value):
         if hasattr(value, "eqns"):
@@ -229,13 +231,26 @@ def count_primitives(closed_jaxpr, prefix: str) -> int:
             for v in value:
                 yield from subjaxprs(v)
 
-    def walk(jaxpr):
-        n = 0
-        for eqn in jaxpr.eqns:
-            n += eqn.primitive.name.startswith(prefix)
-            for value in eqn.params.values():
-                for sub in subjaxprs(value):
-                    n += walk(sub)
-        return n
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in subjaxprs(value):
+                yield from all_equations(sub)
 
-    return walk(closed_jaxpr.jaxpr)
+
+def count_primitives(closed_jaxpr, prefix: str) -> int:
+    """Occurrences of primitives whose name starts with `prefix`, in nested jaxprs too."""
+    return sum(eqn.primitive.name.startswith(prefix) for eqn in all_equations(closed_jaxpr))
+
+
+def traced_with_rule(monkeypatch, module, rule: str, value, solve, b):
+    """`(jaxpr, solve(b))` with `module.rule` (a backend rule such as
+    `stacks_products`) patched to return `value`; JAX's caches cleared around
+    it, so nothing traced under one value is reused under another."""
+    jax.clear_caches()
+    monkeypatch.setattr(module, rule, lambda *a, **k: value)
+    try:
+        return jax.make_jaxpr(solve)(b), solve(b)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()

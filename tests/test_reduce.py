@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import count_primitives, mesh, put, rel_err, rhs
+from helpers import all_equations, count_primitives, mesh, put, rel_err, rhs, traced_with_rule
 from jax.sharding import PartitionSpec as P
 
 import solvax as sx
@@ -98,16 +98,8 @@ def test_k_products_one_psum_inside_shard_map():
 
 def _stacked_shapes(jaxpr, shape):
     """Shapes `(k, *shape)`, k > 1, that any equation of `jaxpr` (nested too) makes."""
-    found = set()
-    for eqn in jaxpr.eqns:
-        found |= {tuple(v.aval.shape) for v in eqn.outvars
-                  if getattr(v.aval, "shape", ())[1:] == shape and v.aval.shape[0] > 1}
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    found |= _stacked_shapes(sub, shape)
-    return found
+    return {tuple(v.aval.shape) for eqn in all_equations(jaxpr) for v in eqn.outvars
+            if getattr(v.aval, "shape", ())[1:] == shape and v.aval.shape[0] > 1}
 
 
 @pytest.mark.parametrize("stacks", [True, False])
@@ -119,32 +111,19 @@ def test_one_device_products_are_separate_sums(stacks, monkeypatch):
     step). Same answer either way."""
     A = lambda x: x * jnp.linspace(1.0, 3.0, 32)[None, :]  # noqa: E731
     b = jnp.ones((32, 32))
-    jax.clear_caches()
-    monkeypatch.setattr(_reduce, "stacks_products", lambda *a, **k: stacks)
-    try:
-        solve = lambda b: sx.pcg(A, b, single_reduction=True, rtol=1e-10)  # noqa: E731
-        jaxpr = jax.make_jaxpr(solve)(b)
-        solution = solve(b)
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
-    assert bool(_stacked_shapes(jaxpr.jaxpr, (32, 32))) == stacks
+    jaxpr, solution = traced_with_rule(
+        monkeypatch, _reduce, "stacks_products", stacks,
+        lambda b: sx.pcg(A, b, single_reduction=True, rtol=1e-10), b)
+    assert bool(_stacked_shapes(jaxpr, (32, 32))) == stacks
     assert bool(solution.converged)
     assert rel_err(A(solution.x), b) < 1e-9
 
 
 def _dot_outputs(jaxpr, shape):
     """Output shapes `(s, *shape)` of the `dot_general`s of `jaxpr` (nested too)."""
-    found = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found |= {tuple(v.aval.shape) for v in eqn.outvars if v.aval.shape[1:] == shape}
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    found |= _dot_outputs(sub, shape)
-    return found
+    return {tuple(v.aval.shape) for eqn in all_equations(jaxpr)
+            if eqn.primitive.name == "dot_general" for v in eqn.outvars
+            if v.aval.shape[1:] == shape}
 
 
 def test_basis_combination_rule():
@@ -162,16 +141,9 @@ def test_basis_combinations_follow_the_rule(gemm, solver, monkeypatch):
     CPU); the answer is the same either way."""
     A = lambda x: x * jnp.linspace(1.0, 3.0, 32)[None, :] + 0.1 * jnp.roll(x, 1, 0)  # noqa: E731
     b = jnp.ones((32, 32))
-    jax.clear_caches()
-    monkeypatch.setattr(_tree, "combines_by_gemm", lambda *a, **k: gemm)
-    try:
-        solve = lambda b: getattr(sx, solver)(A, b, rtol=1e-10)  # noqa: E731
-        jaxpr = jax.make_jaxpr(solve)(b)
-        solution = solve(b)
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
-    assert bool(_dot_outputs(jaxpr.jaxpr, (32, 32))) == gemm
+    jaxpr, solution = traced_with_rule(monkeypatch, _tree, "combines_by_gemm", gemm,
+                                       lambda b: getattr(sx, solver)(A, b, rtol=1e-10), b)
+    assert bool(_dot_outputs(jaxpr, (32, 32))) == gemm
     assert bool(solution.converged)
     assert rel_err(A(solution.x), b) < 1e-9
 
