@@ -425,6 +425,26 @@ def test_rounding_limited_solves_say_stagnation():
     assert int(sol.status) == Status.STAGNATION, sol.message  # once MAX_STEPS
 
 
+def test_gmres_stalls_on_a_residual_that_sets_no_new_least():
+    """Restarted GMRES at float32's floor: a backward-Euler system's true
+    residual alternated between two values at every restart (measured, as
+    fractions of the start: 1.1934e-5 and 1.2104e-5), never failing to fall
+    twice in a row, and GMRES ran all its restarts (MAX_STEPS after 3276
+    matvecs). A restart is a stall unless it lowers the least true residual
+    so far; two in a row stagnate (`gmres._stagnated`)."""
+    from types import SimpleNamespace
+
+    from solvax._krylov import gmres as _gmres
+
+    count, least, stalls = jnp.int32(0), jnp.float32(jnp.inf), []
+    for restarts, beta in enumerate([1.0, 0.2, 1.2104e-5, 1.1934e-5, 1.2104e-5, 1.1934e-5]):
+        state = SimpleNamespace(restarts=restarts, stalls=count, least=least)
+        count, least = _gmres._stalls(state, jnp.float32(beta))
+        stalls.append(int(count))
+    assert stalls == [0, 0, 0, 0, 1, 2]  # against the last restart only: 0 0 0 0 1 0
+    assert float(least) == np.float32(1.1934e-5)
+
+
 def test_an_invariant_krylov_space_is_a_breakdown():
     d = jnp.asarray(np.r_[np.arange(1.0, 30.0), 0.0])
     b = jnp.zeros(30).at[0].set(1.0).at[-1].set(1.0)

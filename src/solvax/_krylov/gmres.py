@@ -28,8 +28,9 @@ class _Outer(NamedTuple):
     restarts: jax.Array
     status: jax.Array
     broke: jax.Array  # the last cycle hit a breakdown
-    stalls: jax.Array  # restarts in a row whose true residual did not decrease
+    stalls: jax.Array  # restarts in a row whose true residual set no new least
     rnorm: jax.Array  # true residual norm at the last restart
+    least: jax.Array  # the least true residual norm at a restart so far
     first: jax.Array  # ... and at the first (before a recycled space's projection)
     xnorm: jax.Array  # ||x|| there
     tol: jax.Array
@@ -65,7 +66,7 @@ def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int, renew=None)
     tol = contract.threshold(bb, *problem.tolerances())
     zero_b = bb == 0  # b = 0: the answer is exactly 0, whatever x0
     beta = jnp.where(zero_b, 0, beta)
-    stalls = jnp.where((st.restarts > 0) & (beta >= st.rnorm), st.stalls + 1, 0)
+    stalls, least = _stalls(st, beta)
     stagnated, rounding_limited = _stagnated(st, stalls, beta, bb, axax)
     # Another cycle runs if `tol < beta < inf` (comparisons only: false for NaN),
     # the last one neither broke down nor stagnated, and restarts are left.
@@ -105,16 +106,29 @@ def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int, renew=None)
                            (stagnated | st.broke, Status.STAGNATION)], Status.MAX_STEPS)
     return _Outer(x=x, k=st.k + est.j - offset, restarts=st.restarts + go.astype(jnp.int32),
                   status=status, broke=est.flag == code(Status.BREAKDOWN), stalls=stalls,
-                  rnorm=beta, first=jnp.where(st.restarts == 0, beta, st.first),
+                  rnorm=beta, least=least,
+                  first=jnp.where(st.restarts == 0, beta, st.first),
                   xnorm=reduce.real_sqrt(xx), tol=tol,
                   anorm=anorm, history=record(st.history, st.k, est, offset), space=space)
+
+
+def _stalls(st: _Outer, beta):
+    """`(stalls, least)` after a restart with true residual `beta`: a restart
+    that does not lower the least true residual so far is a stall (not only
+    one above the last: at float32's floor the true residual of a
+    backward-Euler system alternated between 1.1934e-5 and 1.2104e-5 of its
+    start at every restart, and GMRES ran all its restarts, 3276 matvecs,
+    to MAX_STEPS)."""
+    stalls = jnp.where((st.restarts > 0) & (beta >= st.least), st.stalls + 1, 0)
+    return stalls, jnp.minimum(st.least, beta)
 
 
 def _stagnated(st: _Outer, stalls, beta, bb, axax):
     """`(stagnated, rounding_limited)` at a restart after a cycle.
 
-    Stagnated: more restarts cannot help, because the true residual did not
-    decrease over the last two cycles (GMRES never increases it, so the next
+    Stagnated: more restarts cannot help, because the true residual fell
+    below its least value so far in neither of the last two cycles (GMRES
+    never increases it in exact arithmetic, so the next
     cycle would repeat these: e.g. GMRES(1) on a skew-symmetric operator; the
     second cycle is where a singular operator shows as a breakdown) or it is
     at the rounding level of its own evaluation, `eps (||A x|| + ||b||)`.
@@ -146,7 +160,8 @@ def restarted(problem: Problem, arnoldi, *, m: int, max_restarts: int, record_hi
     x = tree.zeros_like(problem.b) if problem.x0 is None else problem.x0
     state = _Outer(x=x, k=jnp.int32(0), restarts=jnp.int32(0), status=code(RUNNING),
                    broke=jnp.bool_(False), stalls=jnp.int32(0),
-                   rnorm=jnp.asarray(jnp.inf, real), first=jnp.asarray(jnp.inf, real),
+                   rnorm=jnp.asarray(jnp.inf, real), least=jnp.asarray(jnp.inf, real),
+                   first=jnp.asarray(jnp.inf, real),
                    xnorm=jnp.zeros((), real),
                    tol=jnp.zeros((), real), anorm=jnp.zeros((), real),
                    history=problem.history(max_restarts * m + m + 1, record_history),
