@@ -181,6 +181,14 @@ def test_accelerator_speed_small(tmp_path):
     # float32 at these sizes may reach its floor before the 60 steps given
     assert all(20 <= r["steps"] <= 60 and r["passes"] > 0 and r["ratio"] > 0
                for r in data["krylov"])
+    # kernels per step read from each compiled step loop, the vector ones among them
+    assert all(0 < r["kernels"]["vector"] <= r["kernels"]["kernels"] for r in data["krylov"]
+               if not r["method"].startswith("jax.scipy gmres"))
+    tolerance = {r["method"]: r for r in data["tolerance"]}
+    assert set(tolerance) == {"pcg", "pcg single_reduction", "pcg pipelined", "jax.scipy cg",
+                              "bicgstab", "bicgstab one_sync", "jax.scipy bicgstab"}
+    assert all(r["status"] in ("CONVERGED", "STAGNATION") and r["true_residual"] < 1e-3
+               for name, r in tolerance.items() if not name.startswith("jax.scipy"))
     assert {r["case"] for r in data["multigrid"]} == {"MG-CG 2-D 32^2 V", "MG-CG 3-D 8^3 V"}
     assert all(r["status"] == "CONVERGED" and r["levels"] >= 2 for r in data["multigrid"])
     matvecs = {r["method"]: r["matvecs"] for r in data["recycling"]}
