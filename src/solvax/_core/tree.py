@@ -142,7 +142,8 @@ def basis_join(parts: list[PyTree]) -> PyTree:
 
 def basis_mix(basis: PyTree, coeffs) -> PyTree:
     """The basis whose row i is `sum_j coeffs[i, j] * basis[j]`: one contraction
-    over the basis axis per leaf (a GEMM reading the basis once)."""
+    over the basis axis per leaf, reading the basis once (a GEMM, or on a TPU
+    a sum: `combines_by_gemm`)."""
     return tree_map(lambda leaf: _contract_basis_axis(coeffs, leaf), basis)
 
 
@@ -155,8 +156,9 @@ def basis_combine_many(basis: PyTree, coeffs: list) -> list[PyTree]:
     """`[sum_j c[j] * basis[j] for c in coeffs]` in one pass over the basis.
 
     Per leaf one contraction of the stacked coefficients `(s, m)` with the
-    basis `(m, ...)`: a GEMM that reads the basis once, faster than separate
-    combinations (measured: `docs/krylov.md`, "whole-basis copies in GMRES")."""
+    basis `(m, ...)` that reads the basis once, faster than separate
+    combinations (measured: `docs/krylov.md`, "whole-basis copies in GMRES"):
+    a GEMM, or on a TPU an elementwise sum (`combines_by_gemm`)."""
     stacked = jnp.stack(coeffs)
     combined = tree_map(lambda leaf: _contract_basis_axis(stacked, leaf), basis)
     return [tree_map(lambda leaf, i=i: leaf[i], combined) for i in range(len(coeffs))]
