@@ -26,7 +26,9 @@ contender once; medians of the rounds, `problems.interleaved`). Parts (`--only`)
   convection-diffusion at 96^2 (warm starts, rtol 1e-5): gmres(30), gcrot
   cold and gcrot recycled, total matvecs and time.
 
-Writes `accelerator_speed.json` and `<backend>_speed.md` under `--out`.
+Writes `accelerator_speed.json` and `<backend>_speed.md` under `--out`,
+again after every part (a run stopped by a time limit keeps the parts it
+finished).
 `--small` runs every part at tiny sizes on any backend (CI's smoke test).
 """
 
@@ -435,12 +437,19 @@ def main():
             out[name] = part()
             for row in out[name]:
                 print(json.dumps(row), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "accelerator_speed.json"), "w") as f:
-        json.dump({"meta": meta, **out}, f, indent=1)
-    with open(os.path.join(args.out, f"{meta['backend']}_speed.md"), "w") as f:
-        f.write(markdown(meta, out))
+            write(args.out, meta, out)  # after every part: a run cut short keeps the rest
+    write(args.out, meta, out)
     print(markdown(meta, out))
+
+
+def write(folder: str, meta: dict, out: dict) -> None:
+    """`accelerator_speed.json` and `<backend>_speed.md` in `folder`, with the
+    parts measured so far."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "accelerator_speed.json"), "w") as f:
+        json.dump({"meta": meta, **out}, f, indent=1)
+    with open(os.path.join(folder, f"{meta['backend']}_speed.md"), "w") as f:
+        f.write(markdown(meta, out))
 
 
 if __name__ == "__main__":
