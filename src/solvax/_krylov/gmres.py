@@ -106,8 +106,7 @@ def _cycle(st: _Outer, problem: Problem, arnoldi, max_restarts: int, renew=None)
                            (stagnated | st.broke, Status.STAGNATION)], Status.MAX_STEPS)
     return _Outer(x=x, k=st.k + est.j - offset, restarts=st.restarts + go.astype(jnp.int32),
                   status=status, broke=est.flag == code(Status.BREAKDOWN), stalls=stalls,
-                  rnorm=beta, least=least,
-                  first=jnp.where(st.restarts == 0, beta, st.first),
+                  rnorm=beta, least=least, first=jnp.where(st.restarts == 0, beta, st.first),
                   xnorm=reduce.real_sqrt(xx), tol=tol,
                   anorm=anorm, history=record(st.history, st.k, est, offset), space=space)
 
@@ -161,8 +160,7 @@ def restarted(problem: Problem, arnoldi, *, m: int, max_restarts: int, record_hi
     state = _Outer(x=x, k=jnp.int32(0), restarts=jnp.int32(0), status=code(RUNNING),
                    broke=jnp.bool_(False), stalls=jnp.int32(0),
                    rnorm=jnp.asarray(jnp.inf, real), least=jnp.asarray(jnp.inf, real),
-                   first=jnp.asarray(jnp.inf, real),
-                   xnorm=jnp.zeros((), real),
+                   first=jnp.asarray(jnp.inf, real), xnorm=jnp.zeros((), real),
                    tol=jnp.zeros((), real), anorm=jnp.zeros((), real),
                    history=problem.history(max_restarts * m + m + 1, record_history),
                    space=space)
