@@ -164,14 +164,13 @@ def step_kernels(text: str) -> dict:
 
     def kernels(comp, seen=()):
         found = {}
+        if comp in seen:
+            return found
         for _, shape, opcode, rest in comps.get(comp, []):
-            if opcode in NO_KERNEL or comp in seen:
+            if opcode in NO_KERNEL:
                 continue
             if opcode in ("conditional", "call"):
-                called = counter._CALLED.findall(rest)
-                for group in counter._CALLED_LIST.findall(rest):
-                    called += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
-                inner = [kernels(c, seen + (comp,)) for c in called]
+                inner = [kernels(c, seen + (comp,)) for c in counter.callees(rest)]
                 best = max(inner, key=lambda k: sum(k.values()), default={})
                 for k, v in best.items():
                     found[k] = found.get(k, 0) + v
@@ -184,30 +183,28 @@ def step_kernels(text: str) -> dict:
     loops = []  # (depth, body)
 
     def visit(comp, depth, seen=()):
+        if comp in seen:
+            return
         for _, _, opcode, rest in comps.get(comp, []):
-            called = counter._CALLED.findall(rest)
-            for group in counter._CALLED_LIST.findall(rest):
-                called += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
-            if opcode == "fusion" or comp in seen:
-                continue
             if opcode == "while":
                 body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
                 loops.append((depth + 1, body))
                 visit(body, depth + 1, seen + (comp,))
-            else:
-                for c in called:
+            elif opcode != "fusion":
+                for c in counter.callees(rest):
                     visit(c, depth, seen + (comp,))
 
-    visit(entry, 0)
     def total(found):
         return sum(v for k, v in found.items() if k != "(vector)")
 
+    visit(entry, 0)
     if not loops:
         return {"kernels": 0, "vector": 0, "opcodes": {}, "loops": []}
-    deepest = max(d for d, _ in loops)
-    best = max((kernels(b) for d, b in loops if d == deepest), key=total)
+    counted = [(d, kernels(b)) for d, b in loops]
+    deepest = max(d for d, _ in counted)
+    best = dict(max((k for d, k in counted if d == deepest), key=total))
     return {"kernels": total(best), "vector": best.pop("(vector)", 0), "opcodes": best,
-            "loops": [(d, total(kernels(b))) for d, b in loops]}
+            "loops": [(d, total(k)) for d, k in counted]}
 
 
 def tolerance(small: bool) -> list[dict]:

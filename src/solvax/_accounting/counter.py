@@ -203,6 +203,15 @@ def _parse(text: str):
     return comps, entry
 
 
+def callees(rest: str) -> list[str]:
+    """The computations an instruction calls (`rest`: its text after the
+    opcode): bodies, conditions, branches, fused and applied computations."""
+    called = _CALLED.findall(rest)
+    for group in _CALLED_LIST.findall(rest):
+        called += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+    return called
+
+
 def _walk(comps: dict, entry: str | None):
     """Every collective reachable from the entry computation, every `while`
     loop met (by name) and each loop's own collectives (`Counter`)."""
@@ -230,10 +239,7 @@ def _walk(comps: dict, entry: str | None):
                 for called in _CALLED.findall(rest):
                     visit(called, stack + (name,), inner_weight, seen + (comp,), branches)
                 continue
-            called = _CALLED.findall(rest)
-            for group in _CALLED_LIST.findall(rest):
-                called += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
-            for index, c in enumerate(called):
+            for index, c in enumerate(callees(rest)):
                 inside = branches + ((name, index),) if opcode == "conditional" else branches
                 visit(c, stack, weight, seen + (comp,), inside)
 
