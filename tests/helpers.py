@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -243,14 +244,21 @@ def count_primitives(closed_jaxpr, prefix: str) -> int:
     return sum(eqn.primitive.name.startswith(prefix) for eqn in all_equations(closed_jaxpr))
 
 
-def traced_with_rule(monkeypatch, module, rule: str, value, solve, b):
-    """`(jaxpr, solve(b))` with `module.rule` (a backend rule such as
-    `stacks_products`) patched to return `value`; JAX's caches cleared around
-    it, so nothing traced under one value is reused under another."""
+@contextlib.contextmanager
+def patched_rule(monkeypatch, module, rule: str, value):
+    """`module.rule` (a backend rule such as `stacks_products`) patched to
+    return `value` inside the block; JAX's caches cleared around it, so
+    nothing traced under one value is reused under another."""
     jax.clear_caches()
     monkeypatch.setattr(module, rule, lambda *a, **k: value)
     try:
-        return jax.make_jaxpr(solve)(b), solve(b)
+        yield
     finally:
         monkeypatch.undo()
         jax.clear_caches()
+
+
+def traced_with_rule(monkeypatch, module, rule: str, value, solve, b):
+    """`(jaxpr, solve(b))` with `module.rule` returning `value` (`patched_rule`)."""
+    with patched_rule(monkeypatch, module, rule, value):
+        return jax.make_jaxpr(solve)(b), solve(b)

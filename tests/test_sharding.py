@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import DISTINCT, REPRESENTATIVE, mesh, put, tree_rel_err
+from helpers import DISTINCT, REPRESENTATIVE, mesh, patched_rule, put, tree_rel_err
 from helpers import SOLVERS as REGISTRY
 from matrix import FULL, levels, sample
 
@@ -306,11 +306,8 @@ def separate_products(monkeypatch):
     """The product pattern `stacks_products` picks for one device and for a GPU
     or TPU mesh (separate sums), on the emulated mesh; compiled traces of it
     are dropped before and after."""
-    jax.clear_caches()
-    monkeypatch.setattr(sx._core.reduce, "stacks_products", lambda *a, **k: False)
-    yield
-    monkeypatch.undo()
-    jax.clear_caches()
+    with patched_rule(monkeypatch, sx._core.reduce, "stacks_products", False):
+        yield
 
 
 # One variant per product pattern of a step: two reductions, one of three
