@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .coarse import CoarseSolve
 from .fusion import scan_unroll
@@ -78,29 +79,46 @@ class Multigrid:
         # the cycle's last step is computed into memory (`computed`): XLA
         # does not recompute it inside each consumer of `z` (a Krylov
         # method's inner product and its update of the search direction)
-        if self.tail is not None and self.cycle == "V":
-            z = self._cycle(self.explicit, 0, r.astype(dtype), "V", tail=True)
-        else:
-            z = self._cycle(self.levels, 0, r.astype(dtype), self.cycle)
+        z = self._cycle(self.explicit, 0, r.astype(dtype), self.cycle)
         return z.astype(r.dtype)
 
-    def _cycle(self, levels: list, k: int, r, kind: str, tail: bool = False):
-        """One cycle from level `k` of `levels` for the residual `r`: `kind` V
-        (one coarse correction), W (two, each a W-cycle) or F (two: an
-        F-cycle, then a V-cycle on what it left). With `tail`, `levels` are
-        the explicit ones, and the `Tail` corrects the last but one."""
+    def _cycle(self, levels: list, k: int, r, kind: str):
+        """One cycle from level `k` of `levels` (explicit ones) for the
+        residual `r`: `kind` V (one coarse correction), W (two, each a
+        W-cycle) or F (two: an F-cycle, then a V-cycle on what it left). Where
+        there is a `Tail`, it lies between the last two levels and its cycle
+        (`_tail_cycle`) corrects the last but one.
+
+        The program holds each level's code once: a W-cycle's two visits of
+        the level below are a two-step loop (the second from the residual the
+        first left); an F-cycle's second is a V-cycle (its own code). Written
+        as recursion, a W-cycle's code doubled per level (a 2048^2 W-cycle's
+        first call took 157 s on a TPU v5e)."""
         if k == len(levels) - 1:
             return self.coarse_solve(levels[-1], r)
-        level, coarse = levels[k], levels[k + 1]
+        level = levels[k]
         x, rc = self._down(level, r)
-        if tail and k == len(levels) - 2:
-            e = self._tail_cycle(rc)
+        if self.tail is not None and k == len(levels) - 2:
+            below, next_op = self._tail_cycle, self.tail.level(0).op
+            twice = kind != "V"
         else:
-            e = self._cycle(levels, k + 1, rc, kind, tail)
-        if kind != "V" and k + 2 < len(levels):
-            again = "W" if kind == "W" else "V"
-            left = level.keep()(lambda e: rc - coarse.op(e), e)
-            e = e + self._cycle(levels, k + 1, left, again)
+            def below(r, kind):
+                return self._cycle(levels, k + 1, r, kind)
+            next_op, twice = levels[k + 1].op, kind != "V" and k + 2 < len(levels)
+        keep = level.keep()
+        if not twice:
+            e = below(rc, kind)
+        elif kind == "F":
+            e = below(rc, "F")
+            e = e + below(keep(lambda e: rc - next_op(e), e), "V")
+        else:
+            def visit(i, e):
+                left = jax.lax.cond(i > 0, lambda e: keep(lambda e: rc - next_op(e), e),
+                                    lambda e: rc, e)
+                return e + below(left, "W")
+
+            e = jax.lax.fori_loop(0, 2, visit, jnp.zeros_like(rc),
+                                  unroll=scan_unroll(2) > 1)
         return self._up(level, x, r, e)
 
     def _smooth(self, level: Level, x, r, post: bool):
@@ -123,14 +141,20 @@ class Multigrid:
         x = keep(lambda x, e: x + level.transfer.prolong(e, keep), x, e)
         return self._smooth(level, x, r, post=True)
 
-    def _tail_cycle(self, r):
-        """The V-cycle's part on the `Tail`'s levels (`r` on the first's grid,
-        which is the padded shape): a scan down (smoothing, residual,
-        restriction), the coarsest level, a scan up (prolongation, smoothing).
-        Each level's smoothed iterate and right-hand side are stacked for the
-        way up (their grids padded: small, the tail's levels are), the scans
-        unrolled where the backend wants it (`scan_unroll`)."""
+    def _tail_cycle(self, r, kind: str):
+        """The cycle's part on the `Tail`'s levels and the coarsest (`r` on the
+        tail's first grid, which is the padded shape), each level's code once
+        in the program.
+
+        A V-cycle: a scan down (smoothing, residual, restriction), the
+        coarsest level, a scan up (prolongation, smoothing); each level's
+        smoothed iterate and right-hand side stacked for the way up (their
+        grids padded: small, the tail's levels are), the scans unrolled where
+        the backend wants it (`scan_unroll`). A W- or F-cycle: its fixed order
+        of moves (`_moves`) run by one loop (`_moving`)."""
         tail, bottom = self.tail, self.explicit[-1]
+        if kind != "V":
+            return self._moving(r, kind)
         unroll = scan_unroll(len(tail.shapes))
 
         def down(r, level):
@@ -147,3 +171,61 @@ class Multigrid:
         e, _ = jax.lax.scan(up, pad_grid(e, tail.padded), (tail.levels, xs, rs), reverse=True,
                             unroll=unroll)
         return e
+
+    def _moving(self, r, kind: str):
+        """A W- or F-cycle on the `Tail` and the coarsest level as a loop over
+        its moves (`_moves`), the level a loop variable: per level `j` (the
+        coarsest is `m`, held padded) its iterate `x[j]`, right-hand side
+        `rhs[j]` and `first[j]`, the correction its first visit left (zero
+        before a second visit). A down move smooths level `j` and restricts
+        its residual to `rhs[j + 1]`; the coarsest is solved; an again move
+        keeps level `j + 1`'s correction in `first[j + 1]` and makes the
+        residual it left `rhs[j + 1]`; an up move prolongs `first[j + 1] +
+        x[j + 1]` onto level `j` and smooths."""
+        tail, bottom = self.tail, self.explicit[-1]
+        m, padded = len(tail.shapes), tail.padded
+        moves = jnp.asarray(np.array(_moves(m, kind), np.int32))
+        stack = jnp.zeros((m + 1,) + padded, r.dtype)
+
+        def at(j):
+            return jax.tree_util.tree_map(lambda a: a[j], tail.levels)
+
+        def down(j, x, rhs, first):
+            xj, rc = self._down(at(j), rhs[j])
+            return x.at[j].set(xj), rhs.at[j + 1].set(pad_grid(rc, padded)), first.at[j + 1].set(0)
+
+        def solve(j, x, rhs, first):
+            e = self._cycle([bottom], 0, crop_grid(rhs[m], bottom.op.shape), "V")
+            return x.at[m].set(pad_grid(e, padded)), rhs, first
+
+        def again(j, x, rhs, first):
+            left = at(j).keep()(lambda e, r: r - at(j + 1).op(e), x[j + 1], rhs[j + 1])
+            return x, rhs.at[j + 1].set(left), first.at[j + 1].set(x[j + 1])
+
+        def up(j, x, rhs, first):
+            lv = at(j)
+            e = crop_grid(first[j + 1] + x[j + 1], lv.transfer.coarse_shape)
+            return x.at[j].set(self._up(lv, x[j], rhs[j], e)), rhs, first
+
+        def move(i, state):
+            what, j = moves[i, 0], moves[i, 1]
+            return jax.lax.switch(what, (down, solve, again, up), j, *state)
+
+        state = (stack, stack.at[0].set(r), stack)
+        x, _, _ = jax.lax.fori_loop(0, moves.shape[0], move, state)
+        return x[0]
+
+
+#: A W- or F-cycle's moves on the tail (`_moves`): (what, level).
+_DOWN, _SOLVE, _AGAIN, _UP = range(4)
+
+
+def _moves(m: int, kind: str, j: int = 0) -> list:
+    """The moves of a `kind` cycle from level `j` of `m` levels above the
+    coarsest (level `m`), in order: as `Multigrid._cycle` recurses."""
+    if j == m:
+        return [(_SOLVE, m)]
+    out = [(_DOWN, j)] + _moves(m, kind, j + 1)
+    if kind != "V" and j + 1 < m:
+        out += [(_AGAIN, j)] + _moves(m, "W" if kind == "W" else "V", j + 1)
+    return out + [(_UP, j)]
