@@ -8,7 +8,6 @@ import itertools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..stencil import StencilOperator, global_index, shift_all, stored_half, unit_shift
 from .fusion import computed
@@ -26,61 +25,33 @@ def _galerkin_axis(op: StencilOperator, axis: int, weights: dict) -> StencilOper
     axis, `q` along the others) is the sum over `s`, `t` with `2 O + t - s`
     an offset `o` of the fine stencil of `alpha_s[J] A[2 J + 1 + s; (o, q)]
     alpha_t[J + O]` (the last at the column's position, shifted with zeros
-    outside the grid: what lies outside couples to nothing).
-
-    Computed on stacks, not offset by offset: the fine entries stacked
-    `(K, *grid)`, their rows `2 J + 1 + s` weighted by `alpha_s` (`G`,
-    `(3 K, *coarse)`), for each coarse offset and `t` the sum of the (at
-    most 3) rows of `G` its terms read (`_term_rows`: 3 gathers with static
-    indices), and `alpha_t` shifted to each coarse offset in one stack. (The
-    sums written term by term were ~470 operations per axis, which XLA
-    duplicated into each fused consumer: 4 s of a 1024^2 MG-CG's 5 s
-    compile.)"""
+    outside the grid: what lies outside couples to nothing)."""
     shape, name, kind = op.shape, op.axis_names[axis], op.boundary[axis]
     n = shape[axis]
     nc = n // 2
     coarse = tuple(nc if a == axis else m for a, m in enumerate(shape))
-    b = axis + 1   # the grid axis in a stack
 
     def following(evens, last):
         """From the values at the fine points `2 J` (J < nc), those at `2 J + 2`:
         past the last coarse point, `last()` (the value at the fine point `2 nc`
         of an odd axis) or what the boundary puts outside."""
         if n > 2 * nc:
-            return jnp.concatenate([axis_slice(evens, b, 1, nc), last()], axis=b)
-        return unit_shift(evens, b, 1, kind, name)
+            return jnp.concatenate([axis_slice(evens, axis, 1, nc), last()], axis=axis)
+        return unit_shift(evens, axis, 1, kind, name)
 
-    fine = op.entries   # a symmetric operator's other half: its stored half shifted
-    present = sorted(fine)
-    dtype = jnp.result_type(*fine.values(), *weights.values())
-    stack = jnp.stack([jnp.broadcast_to(fine[o], shape).astype(dtype) for o in present])
-    even = axis_slice(every_other(stack, b, 0), b, 0, nc)   # an odd axis's last: below
-    rows = jnp.stack([even, every_other(stack, b, 1),
-                      following(even, lambda: axis_slice(stack, b, 2 * nc, n))])
+    def rows(c):
+        """`c` at the fine rows `2 J`, `2 J + 1`, `2 J + 2` (s = -1, 0, 1)."""
+        even = axis_slice(every_other(c, axis, 0), axis, 0, nc)   # an odd axis's last: below
+        odd = every_other(c, axis, 1)
+        return {-1: even, 0: odd, 1: following(even, lambda: axis_slice(c, axis, 2 * nc, n))}
+
     # the weights are sampled at the fine even points (nc of them, nc + 1 on an odd axis)
-    w_minus, w_plus = (axis_slice(weights[k], axis, 0, nc)[None] for k in ("minus", "plus"))
-    w_next = following(w_minus, lambda: axis_slice(weights["minus"], axis, nc, nc + 1)[None])
-    alpha = jnp.concatenate([w_plus, jnp.ones_like(w_plus), w_next]).astype(dtype)  # (3, *coarse)
-    weighted = (alpha[:, None] * rows).reshape((3 * len(present),) + coarse)
-    weighted = jnp.concatenate([weighted, jnp.zeros((1,) + coarse, dtype)])   # a zero row last
-    offsets, gathers = _term_rows(tuple(present), axis, op.symmetric)
-    sums = sum(weighted[index] for index in gathers).reshape((len(offsets), 3) + coarse)
-    boundary, names = ("dirichlet",) + op.boundary, (None,) + op.axis_names
-    moved = jnp.stack(shift_all(alpha, [(0,) + o for o in offsets], boundary, names))
-    out = jnp.sum(moved * sums, axis=1)
-    entries = {o: out[i] for i, o in enumerate(offsets)}
-    return StencilOperator(entries, coarse, op.boundary, op.axis_names, op.symmetric)
-
-
-@functools.cache
-def _term_rows(present: tuple, axis: int, symmetric: bool) -> tuple:
-    """For the fine offsets `present` (the rows of the weighted stack, `s`
-    major), the coarse offsets reached (a symmetric operator's stored half)
-    and 3 index arrays: row `(i, t)` of their sum is the sum over the terms
-    `(s, fine offset)` of coarse offset `i` with that `t` (at most 3; the
-    stack's last, zero row fills the rest)."""
+    w_minus, w_plus = (axis_slice(weights[k], axis, 0, nc) for k in ("minus", "plus"))
+    w_next = following(w_minus, lambda: axis_slice(weights["minus"], axis, nc, nc + 1))
+    alpha = {-1: w_plus, 0: jnp.ones_like(w_plus), 1: w_next}
+    fine = op.entries   # a symmetric operator's other half: its stored half shifted
     terms = {}     # coarse offset -> [(s, t, fine offset)]
-    for o in present:
+    for o in fine:
         for big in (-1, 0, 1):
             for s in (-1, 0, 1):
                 t = o[axis] + s - 2 * big
@@ -88,15 +59,18 @@ def _term_rows(present: tuple, axis: int, symmetric: bool) -> tuple:
                     target = tuple(big if a == axis else v for a, v in enumerate(o))
                     terms.setdefault(target, []).append((s, t, o))
     offsets = sorted(terms)
-    if symmetric:   # so is `P^T A P`: its stored half only
+    if op.symmetric:   # so is `P^T A P`: its stored half only
         offsets = [o for o in offsets if stored_half(o)]
-    zero = 3 * len(present)
-    lists = [[(s + 1) * len(present) + present.index(o) for s, t2, o in terms[target] if t2 == t]
-             for target in offsets for t in (-1, 0, 1)]
-    assert max(map(len, lists)) <= 3
-    gathers = tuple(np.array([ls[j] if j < len(ls) else zero for ls in lists], np.int32)
-                    for j in range(3))
-    return tuple(offsets), gathers
+    shifted = {t: dict(zip(offsets, shift_all(alpha[t], offsets, op.boundary, op.axis_names)))
+               for t in (-1, 0, 1)}
+    fine_rows = {o: rows(jnp.broadcast_to(c, shape)) for o, c in fine.items()}
+    entries = {}
+    for target in offsets:
+        total = 0.0
+        for s, t, o in terms[target]:
+            total = total + alpha[s] * fine_rows[o][s] * shifted[t][target]
+        entries[target] = total
+    return StencilOperator(entries, coarse, op.boundary, op.axis_names, op.symmetric)
 
 
 def galerkin_operator(op: StencilOperator, transfer: Transfer, flag=None) -> StencilOperator:
