@@ -79,31 +79,40 @@ class Multigrid:
         # the cycle's last step is computed into memory (`computed`): XLA
         # does not recompute it inside each consumer of `z` (a Krylov
         # method's inner product and its update of the search direction)
-        z = self._cycle(self.explicit, 0, r.astype(dtype), self.cycle)
+        if self.tail is None or self.cycle == "W":   # see `_cycle`
+            z = self._cycle(self.levels, 0, r.astype(dtype), self.cycle, tail=False)
+        else:
+            z = self._cycle(self.explicit, 0, r.astype(dtype), self.cycle, tail=True)
         return z.astype(r.dtype)
 
-    def _cycle(self, levels: list, k: int, r, kind: str):
-        """One cycle from level `k` of `levels` (explicit ones) for the
-        residual `r`: `kind` V (one coarse correction), W (two, each a
-        W-cycle) or F (two: an F-cycle, then a V-cycle on what it left). Where
-        there is a `Tail`, it lies between the last two levels and its cycle
-        (`_tail_cycle`) corrects the last but one.
+    def _cycle(self, levels: list, k: int, r, kind: str, tail: bool):
+        """One cycle from level `k` of `levels` for the residual `r`: `kind` V
+        (one coarse correction), W (two, each a W-cycle) or F (two: an
+        F-cycle, then a V-cycle on what it left). With `tail`, `levels` are
+        the explicit ones and the `Tail`'s cycle (`_tail_cycle`) corrects the
+        last but one.
 
-        The program holds each level's code once: a W-cycle's two visits of
-        the level below are a two-step loop (the second from the residual the
-        first left); an F-cycle's second is a V-cycle (its own code). Written
-        as recursion, a W-cycle's code doubled per level (a 2048^2 W-cycle's
-        first call took 157 s on a TPU v5e)."""
+        A W-cycle's two visits of the level below are a two-step loop (the
+        second from the residual the first left), so its program holds each
+        level's code once; written as recursion it doubled per level (a
+        2048^2 W-cycle's first call took 157 s on a TPU v5e). It runs every
+        level on its own grid, not the padded `Tail`: it visits level `j`
+        `2^j` times, and on padded grids each visit paid the padding (2048^2
+        MG-CG on the CPU: 11.2 s warm against 3.9 s). An F-cycle visits a
+        level about `j` times and runs the tail by one loop over its moves
+        (`_moving`; 5.0 s against 4.6 s warm at 2048^2 for a program that does
+        not grow with the levels); its second visit is a V-cycle, its own
+        code."""
         if k == len(levels) - 1:
             return self.coarse_solve(levels[-1], r)
         level = levels[k]
         x, rc = self._down(level, r)
-        if self.tail is not None and k == len(levels) - 2:
+        if tail and k == len(levels) - 2:
             below, next_op = self._tail_cycle, self.tail.level(0).op
             twice = kind != "V"
         else:
             def below(r, kind):
-                return self._cycle(levels, k + 1, r, kind)
+                return self._cycle(levels, k + 1, r, kind, tail)
             next_op, twice = levels[k + 1].op, kind != "V" and k + 2 < len(levels)
         keep = level.keep()
         if not twice:
@@ -150,8 +159,8 @@ class Multigrid:
         coarsest level, a scan up (prolongation, smoothing); each level's
         smoothed iterate and right-hand side stacked for the way up (their
         grids padded: small, the tail's levels are), the scans unrolled where
-        the backend wants it (`scan_unroll`). A W- or F-cycle: its fixed order
-        of moves (`_moves`) run by one loop (`_moving`)."""
+        the backend wants it (`scan_unroll`). An F-cycle: its fixed order of
+        moves (`_moves`) run by one loop (`_moving`)."""
         tail, bottom = self.tail, self.explicit[-1]
         if kind != "V":
             return self._moving(r, kind)
@@ -162,7 +171,7 @@ class Multigrid:
             return pad_grid(rc, tail.padded), (x, r)
 
         rc, (xs, rs) = jax.lax.scan(down, r, tail.levels, unroll=unroll)
-        e = self._cycle([bottom], 0, crop_grid(rc, bottom.op.shape), "V")
+        e = self._cycle([bottom], 0, crop_grid(rc, bottom.op.shape), "V", tail=False)
 
         def up(e, item):
             level, x, r = item
@@ -173,7 +182,7 @@ class Multigrid:
         return e
 
     def _moving(self, r, kind: str):
-        """A W- or F-cycle on the `Tail` and the coarsest level as a loop over
+        """An F-cycle on the `Tail` and the coarsest level as a loop over
         its moves (`_moves`), the level a loop variable: per level `j` (the
         coarsest is `m`, held padded) its iterate `x[j]`, right-hand side
         `rhs[j]` and `first[j]`, the correction its first visit left (zero
@@ -195,7 +204,7 @@ class Multigrid:
             return x.at[j].set(xj), rhs.at[j + 1].set(pad_grid(rc, padded)), first.at[j + 1].set(0)
 
         def solve(j, x, rhs, first):
-            e = self._cycle([bottom], 0, crop_grid(rhs[m], bottom.op.shape), "V")
+            e = self._cycle([bottom], 0, crop_grid(rhs[m], bottom.op.shape), "V", tail=False)
             return x.at[m].set(pad_grid(e, padded)), rhs, first
 
         def again(j, x, rhs, first):
@@ -216,7 +225,7 @@ class Multigrid:
         return x[0]
 
 
-#: A W- or F-cycle's moves on the tail (`_moves`): (what, level).
+#: An F-cycle's moves on the tail (`_moves`): (what, level).
 _DOWN, _SOLVE, _AGAIN, _UP = range(4)
 
 
@@ -226,6 +235,6 @@ def _moves(m: int, kind: str, j: int = 0) -> list:
     if j == m:
         return [(_SOLVE, m)]
     out = [(_DOWN, j)] + _moves(m, kind, j + 1)
-    if kind != "V" and j + 1 < m:
-        out += [(_AGAIN, j)] + _moves(m, "W" if kind == "W" else "V", j + 1)
+    if kind == "F" and j + 1 < m:   # then a V-cycle on what it left
+        out += [(_AGAIN, j)] + _moves(m, "V", j + 1)
     return out + [(_UP, j)]
