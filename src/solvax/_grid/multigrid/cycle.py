@@ -107,24 +107,27 @@ class Multigrid:
             return self.coarse_solve(levels[-1], r)
         level = levels[k]
         x, rc = self._down(level, r)
-        if tail and k == len(levels) - 2:
-            below, next_op = self._tail_cycle, self.tail.level(0).op
-            twice = kind != "V"
+        at_tail = tail and k == len(levels) - 2
+        if at_tail:
+            below, twice = self._tail_cycle, kind != "V"
         else:
             def below(r, kind):
                 return self._cycle(levels, k + 1, r, kind, tail)
-            next_op, twice = levels[k + 1].op, kind != "V" and k + 2 < len(levels)
-        keep = level.keep()
+            twice = kind != "V" and k + 2 < len(levels)
+
+        def left(e):
+            """The residual the coarse correction `e` leaves, computed into memory."""
+            coarse = self.tail.level(0) if at_tail else levels[k + 1]
+            return level.keep()(lambda e: rc - coarse.op(e), e)
+
         if not twice:
             e = below(rc, kind)
         elif kind == "F":
             e = below(rc, "F")
-            e = e + below(keep(lambda e: rc - next_op(e), e), "V")
+            e = e + below(left(e), "V")
         else:
             def visit(i, e):
-                left = jax.lax.cond(i > 0, lambda e: keep(lambda e: rc - next_op(e), e),
-                                    lambda e: rc, e)
-                return e + below(left, "W")
+                return e + below(jax.lax.cond(i > 0, left, lambda e: rc, e), "W")
 
             e = jax.lax.fori_loop(0, 2, visit, jnp.zeros_like(rc),
                                   unroll=scan_unroll(2) > 1)
@@ -171,7 +174,7 @@ class Multigrid:
             return pad_grid(rc, tail.padded), (x, r)
 
         rc, (xs, rs) = jax.lax.scan(down, r, tail.levels, unroll=unroll)
-        e = self._cycle([bottom], 0, crop_grid(rc, bottom.op.shape), "V", tail=False)
+        e = self.coarse_solve(bottom, crop_grid(rc, bottom.op.shape))
 
         def up(e, item):
             level, x, r = item
@@ -204,7 +207,7 @@ class Multigrid:
             return x.at[j].set(xj), rhs.at[j + 1].set(pad_grid(rc, padded)), first.at[j + 1].set(0)
 
         def solve(j, x, rhs, first):
-            e = self._cycle([bottom], 0, crop_grid(rhs[m], bottom.op.shape), "V", tail=False)
+            e = self.coarse_solve(bottom, crop_grid(rhs[m], bottom.op.shape))
             return x.at[m].set(pad_grid(e, padded)), rhs, first
 
         def again(j, x, rhs, first):
