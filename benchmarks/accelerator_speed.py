@@ -94,6 +94,13 @@ def cycle_passes(levels: int, steps: int = 2, dims: int = 2) -> float:
     return per_level * sum(2.0 ** (-dims * i) for i in range(levels))
 
 
+def emit(rows: list, row: dict) -> None:
+    """`row` appended to its part's `rows` and printed at once (a part's
+    cases can take minutes each: multigrid's first calls on a chip)."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
 def triad(small: bool) -> dict:
     n = 2**16 if small else 2**26
     x = jnp.ones(n, DTYPE)
@@ -239,11 +246,11 @@ def tolerance(small: bool) -> list[dict]:
         for name, f in contenders.items():
             ours = not name.startswith("jax.scipy")
             its, status = jax.jit(lambda b, f=f: _counts(f(b)))(b) if ours else (None, None)
-            rows.append({"problem": f"{problem} {n}^2", "method": name,
-                         "iterations": None if its is None else int(its),
-                         "status": None if status is None else sx.Status(int(status)).name,
-                         "seconds": seconds[name], "ratio": seconds[name] / seconds[reference],
-                         "true_residual": float(jnp.linalg.norm(b - A(xs[name]))) / bnorm})
+            emit(rows, {"problem": f"{problem} {n}^2", "method": name,
+                        "iterations": None if its is None else int(its),
+                        "status": None if status is None else sx.Status(int(status)).name,
+                        "seconds": seconds[name], "ratio": seconds[name] / seconds[reference],
+                        "true_residual": float(jnp.linalg.norm(b - A(xs[name]))) / bnorm})
     return rows
 
 
@@ -277,11 +284,11 @@ def _per_step(problem, n, ours, peers, reference, steps, bandwidth):
     for name in contenders:
         per = seconds[name] / max(counts[name], 1)
         passes = (gmres_passes(30, "cgs2" in name) if "gmres" in name else PASSES[name])
-        rows.append({"problem": problem, "method": name, "steps": counts[name],
-                     "ms_per_step": 1e3 * per,
-                     "ratio": per / (seconds[reference] / max(counts[reference], 1)),
-                     "passes": passes, "passes_ms": 1e3 * passes * vector_s,
-                     "kernels": step_kernels(texts[name])})
+        emit(rows, {"problem": problem, "method": name, "steps": counts[name],
+                    "ms_per_step": 1e3 * per,
+                    "ratio": per / (seconds[reference] / max(counts[reference], 1)),
+                    "passes": passes, "passes_ms": 1e3 * passes * vector_s,
+                    "kernels": step_kernels(texts[name])})
     return rows
 
 
@@ -319,13 +326,12 @@ def multigrid(small: bool, bandwidth: float) -> list[dict]:
         levels = len(M.levels)
         model = cycle_passes(levels, dims=len(shape))
         vector_s = k.size * jnp.dtype(DTYPE).itemsize / (bandwidth * 1e9)
-        rows.append({"case": f"MG-CG {dims} {n}^{len(shape)} {cycle}", "first_s": first,
-                     "iterations": int(sol.iterations), "status": sx.Status(int(sol.status)).name,
-                     "solve_ms": 1e3 * timing["solve"], "cycle_ms": 1e3 * timing["cycle"],
-                     "cg_step_ms": 1e3 * step, "cycle_in_cg_steps": timing["cycle"] / step,
-                     "levels": levels, "cycle_passes": model,
-                     "cycle_passes_ms": 1e3 * model * vector_s})
-        print(json.dumps(rows[-1]), flush=True)   # each case as it ends (first calls are long)
+        emit(rows, {"case": f"MG-CG {dims} {n}^{len(shape)} {cycle}", "first_s": first,
+                    "iterations": int(sol.iterations), "status": sx.Status(int(sol.status)).name,
+                    "solve_ms": 1e3 * timing["solve"], "cycle_ms": 1e3 * timing["cycle"],
+                    "cg_step_ms": 1e3 * step, "cycle_in_cg_steps": timing["cycle"] / step,
+                    "levels": levels, "cycle_passes": model,
+                    "cycle_passes_ms": 1e3 * model * vector_s})
     return rows
 
 
@@ -366,7 +372,7 @@ def recycling(small: bool) -> list[dict]:
                 matvecs += int(its) + (sx._krylov.gcrot.K if used else 0)
             jax.block_until_ready(u)
             seconds = time.perf_counter() - start
-        rows.append({"method": name, "matvecs": matvecs, "seconds": seconds})
+        emit(rows, {"method": name, "matvecs": matvecs, "seconds": seconds})
     return rows
 
 
@@ -436,9 +442,7 @@ def main():
                        ("multigrid", lambda: multigrid(args.small, bandwidth)),
                        ("recycling", lambda: recycling(args.small))):
         if wanted(name):
-            out[name] = part()
-            for row in out[name] if name != "multigrid" else ():
-                print(json.dumps(row), flush=True)
+            out[name] = part()   # its rows printed as they came (`emit`)
             write(args.out, meta, out)  # after every part: a run cut short keeps the rest
     write(args.out, meta, out)
     print(markdown(meta, out))
