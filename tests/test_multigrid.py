@@ -465,7 +465,8 @@ def test_full_interpolation_is_galerkin_and_spd():
 
 def test_full_interpolation_on_small_blocks():
     """On random blocks of 4 x 4 cells jumping by 1e4, CG takes fewer
-    iterations with the full interpolation than with the collapsed one."""
+    iterations with the full interpolation than with the collapsed one
+    (both down to a 64-point coarsest level)."""
     rng = np.random.default_rng(0)
     k = jnp.asarray(np.kron(np.where(rng.random((16, 16)) < 0.5, 1e4, 1.0), np.ones((4, 4))))
     A = sx.diffusion_operator(k)
@@ -473,7 +474,7 @@ def test_full_interpolation_on_small_blocks():
     solve = jax.jit(lambda m, b: sx.pcg(A, b, precond=m, rtol=1e-8))
     counts = {}
     for interpolation in ("collapsed", "full"):
-        sol = solve(sx.multigrid(A, interpolation=interpolation), b)
+        sol = solve(sx.multigrid(A, interpolation=interpolation, coarse="direct"), b)
         assert bool(sol.converged)
         counts[interpolation] = int(sol.iterations)
     assert counts["full"] < counts["collapsed"], counts
@@ -514,7 +515,8 @@ def test_a_coarsest_level_solved_by_lines_is_exact(shape, boundary):
 def test_lines_stop_the_hierarchy_before_the_blocks_and_keep_it_robust():
     """Random blocks of 4 x 4 cells jumping by 1e4 on a 64^2 grid: with the
     coarsest level 32^2 solved by lines, CG needs at most half the
-    iterations of the default hierarchy down to 8^2. A singular coarsest
+    iterations of the plain hierarchy down to 8^2 (which the default was
+    before it read the coefficients, `test_multigrid_rule.py`). A singular coarsest
     level (pure Neumann) has no exact factorization: the solve either still
     meets its tolerance on the true residual or says it did not."""
     rng = np.random.default_rng(0)
@@ -522,11 +524,12 @@ def test_lines_stop_the_hierarchy_before_the_blocks_and_keep_it_robust():
     A = sx.diffusion_operator(k)
     b = jnp.asarray(rng.standard_normal(k.shape))
     solve = jax.jit(lambda m, b: sx.pcg(A, b, precond=m, rtol=1e-8))
-    default, lines = (solve(m, b) for m in (
-        sx.multigrid(A), sx.multigrid(A, coarse="lines", coarse_size=1024)))
-    assert bool(default.converged) and bool(lines.converged)
-    assert 2 * int(lines.iterations) <= int(default.iterations), (lines.iterations,
-                                                                  default.iterations)
+    plain, lines = (solve(m, b) for m in (
+        sx.multigrid(A, interpolation="collapsed", coarse="direct"),
+        sx.multigrid(A, coarse="lines", coarse_size=1024)))
+    assert bool(plain.converged) and bool(lines.converged)
+    assert 2 * int(lines.iterations) <= int(plain.iterations), (lines.iterations,
+                                                                plain.iterations)
     neumann = sx.diffusion_operator(k, boundary="neumann")
     consistent = b - jnp.mean(b)
     sol = sx.pcg(neumann, consistent,
@@ -581,7 +584,7 @@ def test_coarse_lines_input_is_checked():
         sx.multigrid(periodic, coarse="lines")
     A = sx.diffusion_operator(1.0, shape=(80, 80))
     with pytest.raises(ValueError, match='at most 4096 with `coarse="direct"`.*"lines"'):
-        sx.multigrid(A, coarse_size=5000)
+        sx.multigrid(A, coarse="direct", coarse_size=5000)
     with pytest.raises(ValueError, match="at most 65536"):
         sx.multigrid(A, coarse="lines", coarse_size=70000)
     # the nearest valid inputs: one periodic axis, a large line-solved level,
@@ -589,6 +592,8 @@ def test_coarse_lines_input_is_checked():
     assert sx.multigrid(sx.diffusion_operator(1.0, shape=(8, 8), boundary=(
         "periodic", "dirichlet"), shift=1.0), coarse="lines").coarse == "lines"
     assert sx.multigrid(A, coarse="lines", coarse_size=6400).shapes == [(80, 80)]
+    # `coarse="auto"` (the default): a size beyond a dense inverse asks for lines
+    assert sx.multigrid(A, coarse_size=5000).coarse == "lines"
     assert sx.multigrid(sx.diffusion_operator(1.0, shape=(8, 8)), coarse_size=4096).shapes == [
         (8, 8)]
 
