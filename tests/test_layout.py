@@ -19,7 +19,7 @@ ALLOWED = {"_core": set(), "_krylov": {"_core"}, "_structured": {"_core"},
            "_preconditioners": {"_core"}, "_grid": BELOW, "_precision": BELOW,
            "_nonlinear": BELOW, "_accounting": BELOW | {"_grid", "_precision", "_nonlinear"}}
 MULTIGRID = ["fusion", "transfer", "galerkin", "levels", "smoothers", "coarse", "hierarchy",
-             "cycle", "builder"]
+             "cycle", "rule", "builder"]
 
 
 def _modules():

@@ -26,7 +26,8 @@ The package, one concept per module, each importing only those above it:
 spectral bounds and the `SMOOTHERS` registry), `coarse` (the coarsest
 level's treatments, the `COARSE` registry), `hierarchy` (which axes to
 coarsen, the levels built), `cycle` (`Multigrid`: V, W and F cycles),
-`builder` (`multigrid`: its options checked, the hierarchy built).
+`rule` (the default configuration read from the coefficients), `builder`
+(`multigrid`: its options checked and resolved, the hierarchy built).
 """
 
 from .builder import multigrid
