@@ -146,3 +146,20 @@ def test_default_converged_means_the_true_residual_meets_the_tolerance(size, con
     sol = sx.pcg(op, b, precond=sx.multigrid(op), rtol=1e-8, atol=0.0)
     assert sol.converged
     assert float(jnp.linalg.norm(b - op(sol.x)) / jnp.linalg.norm(b)) <= 1.01e-8
+
+
+def test_on_a_mesh_the_chosen_cycle_adds_no_all_reduce():
+    """Blocks on a grid split by rows over 8 devices: the rule reads the
+    sharded coefficients, chooses lines, and a cycle communicates halos and
+    one all-gather of the coarsest grid, no all-reduce."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("i",)), P("i", None))
+    k = jax.device_put(blocks((64, 64), 4), sharding)
+    mg = sx.multigrid(sx.diffusion_operator(k))
+    assert mg.coarse == "lines" and mg.shapes[-1] == (16, 16)
+    r = jax.device_put(jnp.ones((64, 64)), sharding)
+    cycle = sx.count_collectives(lambda m, r: m(r), mg, r)
+    assert set(cycle.by_kind) <= {"all-gather", "collective-permute"}, str(cycle)
+    assert cycle.count("all-gather") == 1
