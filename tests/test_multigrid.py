@@ -463,6 +463,18 @@ def test_full_interpolation_is_galerkin_and_spd():
     assert np.linalg.eigvalsh(M).min() > 0
 
 
+@pytest.mark.parametrize("shape, boundary", [((9, 7), ("dirichlet", "neumann")),
+                                             ((5, 7, 3), ("neumann", "dirichlet", "dirichlet"))])
+def test_full_interpolation_on_odd_grids_is_galerkin(shape, boundary):
+    """The full interpolation's classes (computed at their own points and
+    placed back) on odd axes, whose last point is even: `R = P^T` and the
+    coarse operator is `P^T A P`, 2-D and 3-D (one level)."""
+    A = sx.diffusion_operator(field(shape), boundary=boundary, shift=0.05)
+    mg = sx.multigrid(A, max_levels=2, interpolation="full", coarse_size=4)
+    assert mg.levels[0].transfer.full
+    assert_galerkin(mg)
+
+
 def test_full_interpolation_on_small_blocks():
     """On random blocks of 4 x 4 cells jumping by 1e4, CG takes fewer
     iterations with the full interpolation than with the collapsed one
