@@ -246,7 +246,11 @@ def check_benchmark_multigrid_small(tmp_path):
         assert row["pyamg_rs"]["residual"] < 1e-8
     assert all(r["status"] == "CONVERGED" for r in data["coefficients"] + data["nonsymmetric"])
     for row in data["blocks"]:
-        assert all(row[name]["status"] == "CONVERGED" for name in ("default", "full")), row
+        assert all(row[name]["status"] == "CONVERGED" for name in ("default", "plain")), row
+    for row in data["shifted"]:
+        assert row["default_iterations"] > 0 and row["plain_iterations"] > 0, row
+        if row["default_coarse"] == "direct":   # the plain configuration chosen
+            assert row["default_iterations"] == row["plain_iterations"], row
     assert all(r["krylov_converged"] and r["alone_converged"] for r in data["cycles"])
     timing = data["time"]
     assert timing["mg_residual"] < 1e-8 and timing["mg_iterations"] < timing["cg_iterations"]
