@@ -214,8 +214,6 @@ def _resolved(operator: StencilOperator, interpolation: str, coarse: str, coarse
     None filled in by `rule.choose` (read only where something is left to
     choose): a `coarse_size` given with `coarse="auto"` beyond a dense
     inverse's reach asks for lines."""
-    if "auto" not in (interpolation, coarse) and coarse_size is not None:
-        return interpolation, coarse, coarse_size
     if coarse == "auto" and coarse_size is not None:
         coarse = "direct" if coarse_size <= DenseInverse.limit else "lines"
     choice = (rule.choose(operator, is_concrete(operator))

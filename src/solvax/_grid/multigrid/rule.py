@@ -42,6 +42,7 @@ dense coarsest level of at most 64 points. Measured in
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -65,7 +66,8 @@ SHIFTED = 0.05
 
 class Choice(NamedTuple):
     """`multigrid`'s resolved `interpolation`, `coarse` and `coarse_size`,
-    and in words why (`Multigrid.choice`)."""
+    and in words why (for the tests and the benchmark's reader; the
+    hierarchy does not keep it)."""
 
     interpolation: str
     coarse: str
@@ -79,9 +81,7 @@ def feature_size(w):
     `JUMP`); inf where no line has two jumps (none, or one interface)."""
     least = jnp.asarray(jnp.inf)
     for axis in range(w.ndim):
-        a = jnp.moveaxis(jnp.asarray(w), axis, -1)
-        left, right = a[..., :-1], a[..., 1:]
-        jump = jnp.maximum(left, right) > JUMP * jnp.minimum(left, right)
+        jump = jnp.moveaxis(_jump_faces(jnp.asarray(w), axis), axis, -1)
         if not jump.size:
             continue
         index = jnp.arange(jump.shape[-1])
@@ -111,14 +111,17 @@ def _measures(op: StencilOperator) -> tuple:
     return size, jnp.min(excess), ~jnp.any(centre - w > 1e-12 * w)
 
 
+def _jump_faces(w, axis: int):
+    """Per face between two neighbours along `axis`, whether `w` jumps there
+    (differs by more than `JUMP`)."""
+    n = w.shape[axis]
+    left, right = (jax.lax.slice_in_dim(w, a, b, axis=axis) for a, b in ((0, n - 1), (1, n)))
+    return jnp.maximum(left, right) > JUMP * jnp.minimum(left, right)
+
+
 def _jumps(w):
     """Whether `w` jumps anywhere (`feature_size`'s test, without the gaps)."""
-    out = jnp.asarray(False)
-    for axis in range(w.ndim):
-        left, right = (jax.lax.slice_in_dim(w, a, b, axis=axis)
-                       for a, b in ((0, w.shape[axis] - 1), (1, w.shape[axis])))
-        out = out | jnp.any(jnp.maximum(left, right) > JUMP * jnp.minimum(left, right))
-    return out
+    return functools.reduce(jnp.logical_or, [jnp.any(_jump_faces(w, a)) for a in range(w.ndim)])
 
 
 def shift_weight(excess: float, size: float) -> float:

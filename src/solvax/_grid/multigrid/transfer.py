@@ -171,10 +171,9 @@ class Transfer:
         for o in offsets:
             parity = tuple((p + o[a]) % 2 for a, p in phases)
             if parity not in subs:
-                x = c
+                x = sampled(c, tuple((a, q) for (a, _), q in zip(phases, parity)))
                 for (a, p), q in zip(phases, parity):
-                    x = every_other(x, a, q)
-                    if q != p and x.shape[a] < c.shape[a] - x.shape[a]:
+                    if q != p and c.shape[a] % 2:   # the odd sub-grid of an odd axis
                         x = jnp.concatenate([x, jnp.zeros_like(axis_slice(x, a, 0, 1))], axis=a)
                 subs[parity] = x
             x = subs[parity]
