@@ -22,6 +22,13 @@ contender once; medians of the rounds, `problems.interleaved`). Parts (`--only`)
   at 1024^2 to 4096^2 and 128^3: first call (trace + compile + run), warm
   solve, one V-cycle against one plain CG step of the same size, the
   V-cycle's bytes model (`cycle_passes`) at the triad bandwidth.
+- `precision` (run last: it turns on x64): Poisson at 2048^2 and 4096^2,
+  set-up included, to a float64 true relative residual of 1e-10 (checked in
+  float64 NumPy on the host): `iterative_refinement` with float32 MG-CG
+  corrections, beside float32 MG-CG to its own floor (rtol 1e-7, which
+  float32 stops short of: STAGNATION) and all-float64 MG-CG (emulated on a
+  TPU, at 2048^2 only: its compile takes minutes there); the refinement's
+  time over the float32 solve's (issue 51 target 4: at most 2x).
 - `recycling`: 12 backward-Euler steps of a slowly varying
   convection-diffusion at 96^2 (warm starts, rtol 1e-5): gmres(30), gcrot
   cold and gcrot recycled, total matvecs and time.
@@ -376,6 +383,54 @@ def recycling(small: bool) -> list[dict]:
     return rows
 
 
+def precision(small: bool) -> list[dict]:
+    jax.config.update("jax_enable_x64", True)  # float64 from here on (the last part)
+    rows = []
+    for n in (32, 64) if small else (2048, 4096):
+        rng = np.random.default_rng(0)
+        b64 = rng.standard_normal((n, n))
+
+        def mg_cg(k, b, rtol, n=n):
+            A = sx.diffusion_operator(k, spacing=1.0 / n)
+            return sx.pcg(A, b, precond=sx.multigrid(A), rtol=rtol, atol=0.0)
+
+        def refinement(k, b, n=n):
+            A = sx.diffusion_operator(k, spacing=1.0 / n)
+            return sx.iterative_refinement(A, b, precond=sx.multigrid(A, dtype=jnp.float32),
+                                           rtol=1e-10)
+
+        cases = {"float32 MG-CG to its floor": (lambda k, b: mg_cg(k, b, 1e-7), jnp.float32),
+                 "refinement, float32 MG-CG corrections": (refinement, jnp.float64),
+                 "float64 MG-CG": (lambda k, b: mg_cg(k, b, 1e-10), jnp.float64)}
+        if n > 2048:  # emulated float64's compile on a TPU: minutes (measured at 2048^2)
+            del cases["float64 MG-CG"]
+        args = {dt: (jnp.ones((n, n), dt), jnp.asarray(b64, dt))
+                for dt in (jnp.float32, jnp.float64)}
+        found = {}
+        for name, (fn, dt) in cases.items():
+            t = time.perf_counter()
+            sol = jax.block_until_ready(jax.jit(fn)(*args[dt]))
+            found[name] = (sol, time.perf_counter() - t)
+        # one argument tuple for all: each contender picks its own dtype's arrays
+        timing = interleaved({name: lambda a32, a64, f=fn, dt=dt: f(*(a32 if dt == jnp.float32
+                                                                      else a64)).x
+                              for name, (fn, dt) in cases.items()},
+                             args[jnp.float32], args[jnp.float64], rounds=3)
+        for name, (sol, first) in found.items():
+            x = np.asarray(sol.x, np.float64)
+            h2 = float(n * n)
+            p = np.pad(x, 1)  # the cell-centred Dirichlet stencil, float64 on the host
+            p[0, :], p[-1, :], p[:, 0], p[:, -1] = -p[1, :], -p[-2, :], -p[:, 1], -p[:, -2]
+            Ax = h2 * (4 * x - p[:-2, 1:-1] - p[2:, 1:-1] - p[1:-1, :-2] - p[1:-1, 2:])
+            true = float(np.linalg.norm(b64 - Ax) / np.linalg.norm(b64))
+            emit(rows, {"case": f"Poisson {n}^2 {name}", "first_s": first,
+                        "status": sx.Status(int(sol.status)).name,
+                        "iterations": int(sol.iterations), "true_residual": true,
+                        "seconds": timing[name],
+                        "vs_float32": timing[name] / timing["float32 MG-CG to its floor"]})
+    return rows
+
+
 def markdown(meta, out) -> str:
     lines = [f"# solvax speed on {meta['device']} (`benchmarks/accelerator_speed.py`)", "",
              f"- date: {meta['date']}", f"- JAX {meta['jax']}, solvax {meta['solvax']}, float32",
@@ -410,6 +465,13 @@ def markdown(meta, out) -> str:
                   f"{r['cycle_in_cg_steps']:.1f} | {r['levels']} | {r['cycle_passes']:.1f} | "
                   f"{r['cycle_passes_ms']:.3f} |" for r in out["multigrid"]]
         lines.append("")
+    if "precision" in out:
+        lines += ["| case | first s | status | iterations | true relative residual (float64) | "
+                  "seconds | over float32 |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['case']} | {r['first_s']:.2f} | {r['status']} | {r['iterations']} | "
+                  f"{r['true_residual']:.1e} | {r['seconds']:.4f} | {r['vs_float32']:.2f} |"
+                  for r in out["precision"]]
+        lines.append("")
     if "recycling" in out:
         lines += ["| sequence method | matvecs | seconds |", "|---|---|---|"]
         lines += [f"| {r['method']} | {r['matvecs']} | {r['seconds']:.3f} |"
@@ -440,7 +502,8 @@ def main():
     for name, part in (("krylov", lambda: krylov(args.small, bandwidth)),
                        ("tolerance", lambda: tolerance(args.small)),
                        ("multigrid", lambda: multigrid(args.small, bandwidth)),
-                       ("recycling", lambda: recycling(args.small))):
+                       ("recycling", lambda: recycling(args.small)),
+                       ("precision", lambda: precision(args.small))):  # last: x64 on
         if wanted(name):
             out[name] = part()   # its rows printed as they came (`emit`)
             write(args.out, meta, out)  # after every part: a run cut short keeps the rest

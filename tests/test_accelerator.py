@@ -9,9 +9,10 @@ and structured solve for what an accelerator runs differently.
   triangular solves) do not lower or compile for minutes. In `_dense.portable()`
   (the form the library takes where `_dense.emulated` says so) no such
   primitive on a 64-bit operand remains.
-- `jnp.linalg.pinv` (a custom-JVP rule around an SVD) aborted the TPU
-  compiler in float32 with x64 enabled (JAX 0.10.2), where `jnp.linalg.svd`
-  compiles: `_dense.pinv` writes it out.
+- A float32 SVD aborts the TPU compiler once x64 is enabled (JAX 0.10.2;
+  `jnp.linalg.svd` alone, and `jnp.linalg.pinv` around it), where the
+  emulated float64 SVD compiles and runs: in `_dense.portable()` (x64 is on
+  in these tests) no float32 SVD remains; a float64 one may.
 """
 
 import functools
@@ -27,7 +28,7 @@ from solvax._core import dense as _dense
 
 SHAPE = (16, 16)
 # linalg primitives a TPU cannot run in float64 (or compiles for minutes)
-FACTORIZATIONS = {"lu", "eigh", "svd", "cholesky", "qr", "geqrf", "geqp3", "householder_product",
+FACTORIZATIONS = {"lu", "eigh", "cholesky", "qr", "geqrf", "geqp3", "householder_product",
                   "triangular_solve", "lu_pivots_to_permutation", "schur", "eig", "hessenberg"}
 
 
@@ -61,6 +62,8 @@ def offences(jaxpr) -> list[str]:
             found.append(f"{name} at {where}")
         elif name in FACTORIZATIONS and wide and floating and _dense._FORCED[0]:
             found.append(f"float64 {name} at {where}")
+        elif name == "svd" and not wide and _dense._FORCED[0]:
+            found.append(f"float32 svd at {where}")
         elif name == "custom_jvp_call" and "svd" in str(eqn.params.get("call_jaxpr")):
             found.append(f"jnp.linalg.pinv (an SVD under a custom JVP) at {where}")
         for sub in _subjaxprs(eqn):
@@ -125,6 +128,38 @@ def test_preconditioners_and_structured_solves_lower_float64():
         for name, case in cases.items():
             found = scan(lambda case=case: jax.tree_util.tree_leaves(case())[0])
             assert found == [], name
+
+
+def _svd_dtypes(fn, *args) -> set[str]:
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "svd":
+                yield jnp.dtype(eqn.invars[0].aval.dtype).name
+            for sub in _subjaxprs(eqn):
+                yield from walk(sub)
+    return set(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def test_float32_coarse_inverse_takes_its_svd_in_float64_where_the_tpu_needs_it():
+    """A float32 multigrid set-up (a dense coarse pseudo-inverse) in the TPU's
+    form with x64 on takes its SVD in float64 and rounds back, as accurate as
+    float32's own; off that rule (the CPU's form) it keeps its float32 SVD."""
+    k = jnp.ones(SHAPE, jnp.float32)
+
+    def setup(k):
+        return jax.tree_util.tree_leaves(sx.multigrid(sx.diffusion_operator(k, spacing=1 / 16)))
+
+    a = jnp.asarray(np.random.default_rng(3).standard_normal((24, 24)), jnp.float32)
+    a = a.at[:, 0].set(a[:, 1])  # singular: the pseudo-inverse, not the inverse
+    expected = np.linalg.pinv(np.asarray(a, np.float64))
+    assert _svd_dtypes(setup, k) == {"float32"}
+    assert _dense.svd_lowers(jnp.float32)  # this CPU's own form
+    with _dense.portable():
+        assert _svd_dtypes(setup, k) == {"float64"}
+        assert not _dense.svd_lowers(jnp.float32) and _dense.svd_lowers(jnp.float64)
+        x = _dense.pinv(a)
+        assert x.dtype == jnp.float32 and rel_err(x, expected) < 1e-5
+        assert scan(setup, k) == []
 
 
 def test_power_of_two_scale_is_exact_without_bitcasts():

@@ -193,6 +193,11 @@ def test_accelerator_speed_small(tmp_path):
     assert all(r["status"] == "CONVERGED" and r["levels"] >= 2 for r in data["multigrid"])
     matvecs = {r["method"]: r["matvecs"] for r in data["recycling"]}
     assert set(matvecs) == {"gmres(30)", "gcrot cold", "gcrot recycled"}
+    # target 4's part: float64 answers from float32 corrections, checked on the host
+    precision = {r["case"].split(" ", 2)[2]: r for r in data["precision"] if "64^2" in r["case"]}
+    assert precision["float32 MG-CG to its floor"]["true_residual"] > 1e-9
+    assert all(precision[name]["status"] == "CONVERGED" and precision[name]["true_residual"]
+               < 1e-10 for name in ("refinement, float32 MG-CG corrections", "float64 MG-CG"))
     assert "passes at triad" in (tmp_path / "cpu_speed.md").read_text()
 
 

@@ -18,6 +18,10 @@ Two accelerator facts decide what is here (`DESIGN.md`, "Accelerators"):
   arithmetic does; elsewhere they are the library's (LAPACK, cuSOLVER).
   Both compute the same factorization up to rounding; the tests run the
   portable forms on this CPU against NumPy (`portable()`).
+- A TPU's compiler aborts on a float32 SVD once x64 is enabled, and
+  compiles the (emulated) float64 one: `pinv` takes the SVD in float64
+  there (`svd_lowers`), which float32 multigrid inside float64 refinement
+  needs.
 
 Every function takes the small matrices solvers build (tens to hundreds of
 rows); the loops are sequential in the matrix size.
@@ -138,25 +142,41 @@ def eigvalsh(a):
     return eigh(a)[0] if emulated(a.dtype) else jnp.linalg.eigvalsh(a)
 
 
+def svd_lowers(dtype) -> bool:
+    """Whether the target compiles an SVD in `dtype`. Not a float32 (or
+    complex64) one on a TPU with x64 enabled: it aborts the compiler there
+    (`Check failed: buffer != nullptr`, JAX 0.10.2, measured on a v5e chip
+    with a 64 x 64 matrix, alone or inside a multigrid set-up), where the
+    float64 SVD of the same matrix compiles and runs. Inside `portable()`
+    the CPU takes the TPU's side of the rule."""
+    narrow = jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.complex64))
+    tpu = _FORCED[0] or jax.default_backend() == "tpu"
+    return not (narrow and tpu and jax.config.jax_enable_x64)
+
+
 def pinv(a):
     """The pseudo-inverse of a square `a`, from its SVD (singular values below
-    `10 n eps` times the largest count as zero, as `jnp.linalg.pinv`). Where
-    the dtype is emulated: the float32 pseudo-inverse refined by two
-    Newton–Schulz steps `X <- X (2 I - a X)` in the dtype (products alone;
-    each squares the error), since an SVD does not lower there. Written out
-    rather than `jnp.linalg.pinv`, whose float32 form aborted the TPU
-    compiler with x64 enabled (JAX 0.10.2; `jnp.linalg.svd` compiles)."""
-    if emulated(a.dtype):
-        x = pinv(a.astype(jnp.float32)).astype(a.dtype)
-        eye = jnp.eye(a.shape[0], dtype=a.dtype)
-        for _ in range(2):
-            x = mm(x, 2 * eye - mm(a, x))
-        return x
+    `10 n eps` times the largest count as zero, as `jnp.linalg.pinv`).
+
+    Where the target cannot compile the SVD in `a`'s dtype (`svd_lowers`:
+    float32 on a TPU with x64 on) it is computed in the 64-bit dtype and
+    rounded back. Where that dtype is emulated (float64 on a TPU, fewer
+    digits than IEEE float64) two Newton–Schulz steps `X <- X (2 I - a X)`
+    (products alone; each squares the error) refine it. Written out rather
+    than `jnp.linalg.pinv`, whose custom JVP hides the SVD from this rule."""
+    if not svd_lowers(a.dtype):
+        wide = jnp.complex128 if jnp.iscomplexobj(a) else jnp.float64
+        return pinv(a.astype(wide)).astype(a.dtype)
     u, s, vh = jnp.linalg.svd(a, full_matrices=False)
     cutoff = 10 * max(a.shape[-2:]) * jnp.finfo(s.dtype).eps * s[..., :1]
     inverse_s = jnp.where(s > cutoff, 1 / jnp.where(s > cutoff, s, 1), 0).astype(a.dtype)
-    return mm(jnp.conj(jnp.swapaxes(vh, -1, -2)) * inverse_s[..., None, :],
-              jnp.conj(jnp.swapaxes(u, -1, -2)))
+    x = mm(jnp.conj(jnp.swapaxes(vh, -1, -2)) * inverse_s[..., None, :],
+           jnp.conj(jnp.swapaxes(u, -1, -2)))
+    if emulated(a.dtype):
+        eye = jnp.eye(a.shape[0], dtype=a.dtype)
+        for _ in range(2):
+            x = mm(x, 2 * eye - mm(a, x))
+    return x
 
 
 # ---------------------------------------------------------- portable kernels
