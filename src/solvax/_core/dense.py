@@ -18,10 +18,10 @@ Two accelerator facts decide what is here (`DESIGN.md`, "Accelerators"):
   arithmetic does; elsewhere they are the library's (LAPACK, cuSOLVER).
   Both compute the same factorization up to rounding; the tests run the
   portable forms on this CPU against NumPy (`portable()`).
-- A TPU's compiler aborts on a float32 SVD once x64 is enabled, and
-  compiles the (emulated) float64 one: `pinv` takes the SVD in float64
-  there (`svd_lowers`), which float32 multigrid inside float64 refinement
-  needs.
+- A TPU's compiler aborts on a float32 SVD once x64 is enabled (and
+  compiles the emulated float64 one for about 40 s): `pinv` computes the
+  float32 pseudo-inverse from products there (`svd_lowers`,
+  `_schulz_pinv`), which float32 multigrid inside float64 refinement needs.
 
 Every function takes the small matrices solvers build (tens to hundreds of
 rows); the loops are sequential in the matrix size.
@@ -147,8 +147,8 @@ def svd_lowers(dtype) -> bool:
     complex64) one on a TPU with x64 enabled: it aborts the compiler there
     (`Check failed: buffer != nullptr`, JAX 0.10.2, measured on a v5e chip
     with a 64 x 64 matrix, alone or inside a multigrid set-up), where the
-    float64 SVD of the same matrix compiles and runs. Inside `portable()`
-    the CPU takes the TPU's side of the rule."""
+    float64 SVD of the same matrix compiles (for about 40 s) and runs.
+    Inside `portable()` the CPU takes the TPU's side of the rule."""
     narrow = jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.complex64))
     tpu = _FORCED[0] or jax.default_backend() == "tpu"
     return not (narrow and tpu and jax.config.jax_enable_x64)
@@ -159,14 +159,13 @@ def pinv(a):
     `10 n eps` times the largest count as zero, as `jnp.linalg.pinv`).
 
     Where the target cannot compile the SVD in `a`'s dtype (`svd_lowers`:
-    float32 on a TPU with x64 on) it is computed in the 64-bit dtype and
-    rounded back. Where that dtype is emulated (float64 on a TPU, fewer
+    float32 on a TPU with x64 on) it comes from products alone
+    (`_schulz_pinv`). Where the dtype is emulated (float64 on a TPU, fewer
     digits than IEEE float64) two Newton–Schulz steps `X <- X (2 I - a X)`
-    (products alone; each squares the error) refine it. Written out rather
-    than `jnp.linalg.pinv`, whose custom JVP hides the SVD from this rule."""
+    (each squares the error) refine the SVD's. Written out rather than
+    `jnp.linalg.pinv`, whose custom JVP hides the SVD from this rule."""
     if not svd_lowers(a.dtype):
-        wide = jnp.complex128 if jnp.iscomplexobj(a) else jnp.float64
-        return pinv(a.astype(wide)).astype(a.dtype)
+        return _schulz_pinv(a)
     u, s, vh = jnp.linalg.svd(a, full_matrices=False)
     cutoff = 10 * max(a.shape[-2:]) * jnp.finfo(s.dtype).eps * s[..., :1]
     inverse_s = jnp.where(s > cutoff, 1 / jnp.where(s > cutoff, s, 1), 0).astype(a.dtype)
@@ -176,6 +175,37 @@ def pinv(a):
         eye = jnp.eye(a.shape[0], dtype=a.dtype)
         for _ in range(2):
             x = mm(x, 2 * eye - mm(a, x))
+    return x
+
+
+def _schulz_pinv(a):
+    """The pseudo-inverse of a square `a` from products alone: Newton–Schulz
+    steps `X <- 2 X - X a X` from `X = a^H / (|a|_1 |a|_inf)`, then two
+    steps `X <- X a X`.
+
+    Along each singular direction the step maps `x = sigma X` to
+    `x (2 - x)`: from `x_0 >= (sigma / sigma_max)^2 / n` it reaches 1
+    (converged, a fixed point) in about `log2(1 / x_0) + 5` steps. The fixed
+    count covers every direction down to `10 n eps` times the largest, the
+    SVD form's cutoff. Directions below it (a singular matrix's null space,
+    which rounding leaves at about `eps` times the largest) are still far
+    from 1 there; the final steps square `x`, so they vanish (`x^4`) while
+    converged ones stay. Used where the target compiles no SVD in the dtype
+    (`svd_lowers`): the emulated float64 SVD it would take instead compiled
+    for about 40 s on a TPU, these products in a loop in under a second."""
+    n = a.shape[-1]
+    eps = jnp.finfo(a.dtype).eps
+    cutoff = 10 * n * float(eps)   # the SVD form's, relative to the largest singular value
+    steps = int(np.ceil(np.log2(n / cutoff ** 2))) + 6
+    norm = jnp.max(jnp.sum(jnp.abs(a), axis=0)) * jnp.max(jnp.sum(jnp.abs(a), axis=1))
+    x = jnp.conj(a.T) / jnp.where(norm > 0, norm, 1).astype(a.dtype)
+
+    def step(_, x):
+        return 2 * x - mm(x, mm(a, x))
+
+    x = lax.fori_loop(0, steps, step, x)
+    for _ in range(2):
+        x = mm(x, mm(a, x))
     return x
 
 
