@@ -23,8 +23,10 @@ relative residual of 1e-8 (checked on the returned x). Parts (`--only`):
   first two timed with the set-up, beside pyamg's Ruge-Stueben (timed:
   set-up + solve) and smoothed aggregation.
 - `shifted`: 20 backward-Euler steps at 256^2 on random blocks (8^2 and
-  4^2 cells, 1 and 1e3) for `dt` from 1e-3 to 1e-6: the default
-  configuration against the plain one, iterations and warm time.
+  4^2 cells, 1 and 1e3) for `dt` from 1e-3 to 1e-6, and 5 at 64^3 (4^3
+  cells) for `dt` 1e-2 and 1e-4: the default configuration against the
+  plain one (in 3-D also the lines the rule takes unshifted), iterations
+  and warm time.
 - `cycles`: V, W and F cycles on Poisson and a log-normal field at 256^2,
   preconditioning CG (GMRES for the F-cycle) and alone (`multigrid_solve`):
   iterations and warm time.
@@ -270,6 +272,13 @@ def backward_euler(op, u, steps, dt, mg):
     return u, total
 
 
+def _same_hierarchy(a, b) -> bool:
+    """Whether two hierarchies hold the same arrays in the same structure."""
+    leaves_a, tree_a = jax.tree_util.tree_flatten(a)
+    leaves_b, tree_b = jax.tree_util.tree_flatten(b)
+    return tree_a == tree_b and all(np.array_equal(x, y) for x, y in zip(leaves_a, leaves_b))
+
+
 def shifted(small):
     """A backward-Euler loop on rough coefficients (issue 51): 20 steps at
     256^2 of `u/dt - div(k grad u) = u_prev/dt + 1` (h = 1/256), `k` random
@@ -277,34 +286,57 @@ def shifted(small):
     default configuration (chosen from the coefficients) against the plain
     one, each hierarchy built once from the concrete operator (the operator
     does not change between steps), its warm time for the 20 steps
-    (interleaved rounds) and with the set-up. Total CG iterations."""
-    n, steps = (32, 4) if small else (256, 20)
+    (interleaved rounds) and with the set-up. Total CG iterations. In 3-D
+    (5 steps at 64^3 on blocks of 4^3 cells) also the configuration the rule
+    takes there unshifted (`lines`: full interpolation, a 16^3 level solved
+    by lines), which a time-stepping shift makes it leave."""
+    cases = ([((32, 32), 8, (1e-4,), 4), ((16, 16, 16), 4, (1e-2,), 2)] if small else
+             [((256, 256), size, (1e-3, 1e-4, 1e-5, 1e-6), 20) for size in (8, 4)]
+             + [((64, 64, 64), 4, (1e-2, 1e-4), 5)])
     rows = []
-    for size in (8,) if small else (8, 4):
-        k = jnp.asarray(random_blocks((n, n), size, contrast=1e3))
-        for dt in (1e-4,) if small else (1e-3, 1e-4, 1e-5, 1e-6):
+    for shape, size, dts, steps in cases:
+        n = shape[0]
+        k = jnp.asarray(random_blocks(shape, size, contrast=1e3))
+        for dt in dts:
             op = sx.diffusion_operator(k, spacing=1 / n, shift=1 / dt)
-            u0 = jnp.zeros((n, n))
-            hierarchies = {"default": sx.multigrid(op), "plain": sx.multigrid(op, **PLAIN)}
-            # each run reads its own hierarchy of the two passed in
-            runs = {name: (lambda hs, u, name=name, op=op, dt=dt:
+            u0 = jnp.zeros(shape)
+            configs = {"default": {}, "plain": PLAIN}
+            if len(shape) == 3:
+                configs["lines"] = dict(interpolation="full", coarse="lines",
+                                        coarse_size=math.prod(shape) // 64)
+            hierarchies = {name: sx.multigrid(op, **c) for name, c in configs.items()}
+            # the rule chose the plain configuration: one hierarchy, timed once (two
+            # timings of one program measure only this machine's drift: 1.03-1.38x)
+            same = _same_hierarchy(hierarchies["default"], hierarchies["plain"])
+            if same:
+                del configs["default"], hierarchies["default"]
+            # each run reads its own hierarchy of those passed in
+            runs = {name: (lambda hs, u, name=name, op=op, dt=dt, steps=steps:
                            backward_euler(op, u, steps, dt, hs[name])) for name in hierarchies}
-            row = dict(n=n, block=size, dt=dt, steps=steps,
-                       default_coarse=hierarchies["default"].coarse)
+            row = dict(n=n, dims=len(shape), block=size, dt=dt, steps=steps,
+                       default_coarse=hierarchies["plain" if same else "default"].coarse,
+                       same_hierarchy=same)
             for name, run in runs.items():
                 row[f"{name}_iterations"] = int(jax.jit(run)(hierarchies, u0)[1])
             times = interleaved(runs, hierarchies, u0, rounds=5)
-            for name, options in (("default", {}), ("plain", PLAIN)):
+            for name, options in configs.items():
                 start = time.perf_counter()
                 jax.block_until_ready(sx.multigrid(op, **options))
                 row[f"{name}_s"] = times[name]
                 row[f"{name}_with_setup_s"] = times[name] + time.perf_counter() - start
+            if same:
+                for key in ("iterations", "s", "with_setup_s"):
+                    row[f"default_{key}"] = row[f"plain_{key}"]
             row["default_vs_plain"] = row["default_s"] / row["plain_s"]
             rows.append(row)
-            print(f"backward Euler {n}^2, blocks of {size}, dt {dt:g} (shift {1 / dt:g}): default "
-                  f"({row['default_coarse']}) {row['default_iterations']} iterations "
-                  f"{row['default_s']:.3f} s, plain {row['plain_iterations']} iterations "
-                  f"{row['plain_s']:.3f} s: {row['default_vs_plain']:.2f}x", flush=True)
+            ratio = "the same hierarchy" if same else f"{row['default_vs_plain']:.2f}x"
+            lines = (f"; lines {row['lines_iterations']} iterations {row['lines_s']:.3f} s "
+                     f"({row['lines_s'] / row['plain_s']:.2f}x)" if "lines" in configs else "")
+            print(f"backward Euler {n}^{len(shape)}, blocks of {size}, dt {dt:g} (shift "
+                  f"{1 / dt:g}): default ({row['default_coarse']}) {row['default_iterations']} "
+                  f"iterations {row['default_s']:.3f} s, plain {row['plain_iterations']} "
+                  f"iterations {row['plain_s']:.3f} s: {ratio}{lines}",
+                  flush=True)
     return rows
 
 

@@ -75,18 +75,21 @@ def test_the_plain_configuration_where_lines_do_not_pay(case):
 
 def test_the_nearest_choices_of_lines():
     """Just inside each boundary of the rule: features of 4 cells (1 and 2
-    are plain), a shift just below `SHIFTED`'s weight, 512^2 at spacing 4
+    are plain), a shift just below `SHIFTED`'s weight (2-D and 3-D), 512^2 at spacing 4
     (16384 points, the most the rule factors), and 1024^2 on blocks of 8
     (spacing 8 keeps the level at 16384 points)."""
-    n = 128
     assert rule.shift_weight(0.5, 8) == 32
-    k = blocks((n, n), 8, 1e3)
-    w = np.asarray(sx.stencil_operator(sx.diffusion_operator(k, spacing=1 / n).entries,
-                                       boundary="neumann").diagonal())   # the couplings' sum
-    scale = float(w.max()) / float(rule.feature_size(w)) ** 2
-    for weight, coarse in ((0.5, "lines"), (2.0, "direct")):     # times SHIFTED
-        shifted = sx.diffusion_operator(k, spacing=1 / n, shift=weight * rule.SHIFTED * scale)
-        assert rule.choose(shifted, True).coarse == coarse
+    # per dimension: 2-D at 128^2 on blocks of 8, 3-D at 32^3 on blocks of 4
+    for shape, size in (((128, 128), 8), ((32, 32, 32), 4)):
+        n = shape[0]
+        k = blocks(shape, size, 1e3)
+        w = np.asarray(sx.stencil_operator(sx.diffusion_operator(k, spacing=1 / n).entries,
+                                           boundary="neumann").diagonal())   # couplings' sum
+        scale = float(w.max()) / float(rule.feature_size(w)) ** 2
+        threshold = rule.SHIFTED[len(shape)]
+        for weight, coarse in ((0.5, "lines"), (2.0, "direct")):     # times the threshold
+            shifted = sx.diffusion_operator(k, spacing=1 / n, shift=weight * threshold * scale)
+            assert rule.choose(shifted, True).coarse == coarse, (shape, weight)
     assert rule.choose(sx.diffusion_operator(blocks((512, 512), 4)), True).coarse_size == 16384
     large = rule.choose(sx.diffusion_operator(blocks((1024, 1024), 8)), True)
     assert (large.coarse, large.coarse_size) == ("lines", 16384) and "spacing 8" in large.reason

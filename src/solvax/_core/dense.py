@@ -197,8 +197,11 @@ def _schulz_pinv(a):
     eps = jnp.finfo(a.dtype).eps
     cutoff = 10 * n * float(eps)   # the SVD form's, relative to the largest singular value
     steps = int(np.ceil(np.log2(n / cutoff ** 2))) + 6
-    norm = jnp.max(jnp.sum(jnp.abs(a), axis=0)) * jnp.max(jnp.sum(jnp.abs(a), axis=1))
-    x = jnp.conj(a.T) / jnp.where(norm > 0, norm, 1).astype(a.dtype)
+    magnitude = jnp.abs(a)
+    norm = jnp.max(jnp.sum(magnitude, axis=-2), axis=-1) * jnp.max(jnp.sum(magnitude, axis=-1),
+                                                                   axis=-1)
+    norm = jnp.where(norm > 0, norm, 1).astype(a.dtype)[..., None, None]
+    x = jnp.conj(jnp.swapaxes(a, -1, -2)) / norm
 
     def step(_, x):
         return 2 * x - mm(x, mm(a, x))

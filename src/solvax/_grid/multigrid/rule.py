@@ -22,9 +22,11 @@ takes that configuration exactly where it pays:
    they save: per-cell random fields took 277 iterations against 292) and
    closer than the plain hierarchy's coarsest spacing (whose last level
    then still resolves them);
-4. the shift does not dominate at the features' scale (`shift_weight`: a
-   backward-Euler operator with a large `1/dt` is well served by the plain
-   cycle, three times cheaper per iteration);
+4. the shift does not dominate at the features' scale (`shift_weight`
+   below `SHIFTED`: a backward-Euler operator with a large `1/dt` is well
+   served by the plain cycle, three times cheaper per iteration; in 3-D,
+   where the lines' hierarchy pays in iterations but not in time, any
+   time-stepping shift);
 5. a coarsest level of at most `LINES_SIZE` points (its factorization
    costs `n m^3` for `n` planes of `m` points) has a spacing no coarser
    than the features: `SPACING`, or the least power of two above it that
@@ -60,8 +62,16 @@ SPACING = 4
 LINES_SIZE = 16384
 #: The plain configuration's coarsest level (points).
 PLAIN_SIZE = 64
-#: `shift_weight` at least this: the shift dominates at the features' scale.
-SHIFTED = 0.05
+#: `shift_weight` at least this, by grid dimension: the shift dominates at
+#: the features' scale. In 2-D the lines pay down to 0.05 (backward Euler
+#: at 256^2: 0.38-0.86x the plain time below it). In 3-D their hierarchy
+#: (full interpolation, a 16^3 level solved by lines at 64^3) costs 2-3x
+#: the plain one per iteration, so it pays in iterations only, never in
+#: time on the 64^3 grids measured (random blocks of 4^3 and 8^3 cells,
+#: contrast 1e3 and 1e4, hierarchy built once: 1.06-1.98x the plain solve
+#: at every shift from 0 to 1e4); a time-stepping shift (weight 6.5e-6 and
+#: up there) takes the plain hierarchy.
+SHIFTED = {2: 0.05, 3: 1e-6}
 
 
 class Choice(NamedTuple):
@@ -153,7 +163,7 @@ def choose(op: StencilOperator, concrete: bool) -> Choice:
     if not SPACING <= size < reach:
         return plain(f"features of {size:g} cells (lines pay from {SPACING} to {reach:.3g})")
     weight = shift_weight(excess, size)
-    if weight >= SHIFTED:
+    if weight >= SHIFTED[d]:
         return plain(f"the shift dominates at the features' scale ({weight:.3g})")
     spacing = SPACING
     while points // spacing ** d > LINES_SIZE:
