@@ -27,8 +27,9 @@ contender once; medians of the rounds, `problems.interleaved`). Parts (`--only`)
   float64 NumPy on the host): `iterative_refinement` with float32 MG-CG
   corrections, beside float32 MG-CG to its own floor (rtol 1e-7, which
   float32 stops short of: STAGNATION) and all-float64 MG-CG (emulated on a
-  TPU, at 2048^2 only: its compile takes minutes there); the refinement's
-  time over the float32 solve's (issue 51 target 4: at most 2x).
+  TPU, at 2048^2 only there, alone and last: its compile takes minutes);
+  the refinement's time over the float32 solve's (issue 51 target 4: at
+  most 2x).
 - `recycling`: 12 backward-Euler steps of a slowly varying
   convection-diffusion at 96^2 (warm starts, rtol 1e-5): gmres(30), gcrot
   cold and gcrot recycled, total matvecs and time.
@@ -383,12 +384,21 @@ def recycling(small: bool) -> list[dict]:
     return rows
 
 
+def _true_residual(x, b) -> float:
+    """`|b - A x| / |b|` for the cell-centred Dirichlet Poisson stencil
+    (`h = 1/n`), in float64 NumPy on the host, independent of the solve."""
+    x, n = np.asarray(x, np.float64), b.shape[0]
+    p = np.pad(x, 1)
+    p[0, :], p[-1, :], p[:, 0], p[:, -1] = -p[1, :], -p[-2, :], -p[:, 1], -p[:, -2]
+    Ax = float(n * n) * (4 * x - p[:-2, 1:-1] - p[2:, 1:-1] - p[1:-1, :-2] - p[1:-1, 2:])
+    return float(np.linalg.norm(b - Ax) / np.linalg.norm(b))
+
+
 def precision(small: bool) -> list[dict]:
     jax.config.update("jax_enable_x64", True)  # float64 from here on (the last part)
     rows = []
     for n in (32, 64) if small else (2048, 4096):
-        rng = np.random.default_rng(0)
-        b64 = rng.standard_normal((n, n))
+        b64 = np.random.default_rng(0).standard_normal((n, n))
 
         def mg_cg(k, b, rtol, n=n):
             A = sx.diffusion_operator(k, spacing=1.0 / n)
@@ -399,35 +409,34 @@ def precision(small: bool) -> list[dict]:
             return sx.iterative_refinement(A, b, precond=sx.multigrid(A, dtype=jnp.float32),
                                            rtol=1e-10)
 
-        cases = {"float32 MG-CG to its floor": (lambda k, b: mg_cg(k, b, 1e-7), jnp.float32),
-                 "refinement, float32 MG-CG corrections": (refinement, jnp.float64),
-                 "float64 MG-CG": (lambda k, b: mg_cg(k, b, 1e-10), jnp.float64)}
-        if n > 2048:  # emulated float64's compile on a TPU: minutes (measured at 2048^2)
-            del cases["float64 MG-CG"]
         args = {dt: (jnp.ones((n, n), dt), jnp.asarray(b64, dt))
                 for dt in (jnp.float32, jnp.float64)}
-        found = {}
-        for name, (fn, dt) in cases.items():
-            t = time.perf_counter()
-            sol = jax.block_until_ready(jax.jit(fn)(*args[dt]))
-            found[name] = (sol, time.perf_counter() - t)
-        # one argument tuple for all: each contender picks its own dtype's arrays
-        timing = interleaved({name: lambda a32, a64, f=fn, dt=dt: f(*(a32 if dt == jnp.float32
-                                                                      else a64)).x
-                              for name, (fn, dt) in cases.items()},
-                             args[jnp.float32], args[jnp.float64], rounds=3)
-        for name, (sol, first) in found.items():
-            x = np.asarray(sol.x, np.float64)
-            h2 = float(n * n)
-            p = np.pad(x, 1)  # the cell-centred Dirichlet stencil, float64 on the host
-            p[0, :], p[-1, :], p[:, 0], p[:, -1] = -p[1, :], -p[-2, :], -p[:, 1], -p[:, -2]
-            Ax = h2 * (4 * x - p[:-2, 1:-1] - p[2:, 1:-1] - p[1:-1, :-2] - p[1:-1, 2:])
-            true = float(np.linalg.norm(b64 - Ax) / np.linalg.norm(b64))
-            emit(rows, {"case": f"Poisson {n}^2 {name}", "first_s": first,
-                        "status": sx.Status(int(sol.status)).name,
-                        "iterations": int(sol.iterations), "true_residual": true,
-                        "seconds": timing[name],
-                        "vs_float32": timing[name] / timing["float32 MG-CG to its floor"]})
+        # the pair the target compares, interleaved; then float64 MG-CG alone
+        # (emulated on a TPU: its first call compiles for minutes, so it runs
+        # last and its row prints on its own; not at 4096^2 there)
+        groups = [{"float32 MG-CG to its floor": (lambda k, b: mg_cg(k, b, 1e-7), jnp.float32),
+                   "refinement, float32 MG-CG corrections": (refinement, jnp.float64)}]
+        if small or n <= 2048 or jax.default_backend() != "tpu":
+            groups.append({"float64 MG-CG": (lambda k, b: mg_cg(k, b, 1e-10), jnp.float64)})
+        floor = None
+        for cases in groups:
+            found = {}
+            for name, (fn, dt) in cases.items():
+                t = time.perf_counter()
+                sol = jax.block_until_ready(jax.jit(fn)(*args[dt]))
+                found[name] = (sol, time.perf_counter() - t)
+                print(f"  {name} {n}^2: first call {found[name][1]:.1f} s", flush=True)
+            # each contender picks its own dtype's arrays from both tuples
+            timing = interleaved({name: lambda a32, a64, f=fn, dt=dt: f(*(
+                a32 if dt == jnp.float32 else a64)).x for name, (fn, dt) in cases.items()},
+                args[jnp.float32], args[jnp.float64], rounds=3)
+            floor = timing.get("float32 MG-CG to its floor", floor)
+            for name, (sol, first) in found.items():
+                emit(rows, {"case": f"Poisson {n}^2 {name}", "first_s": first,
+                            "status": sx.Status(int(sol.status)).name,
+                            "iterations": int(sol.iterations),
+                            "true_residual": _true_residual(sol.x, b64),
+                            "seconds": timing[name], "vs_float32": timing[name] / floor})
     return rows
 
 
