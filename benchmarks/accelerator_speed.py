@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.sparse.linalg as jsl
 import numpy as np
-from problems import convection_diffusion, interleaved, poisson, space_used
+from problems import convection_diffusion, interleaved, poisson, sequence_matvecs
 
 import solvax as sx
 from solvax._accounting import counter
@@ -366,20 +366,10 @@ def recycling(small: bool) -> list[dict]:
         s = sx.gcrot(operator(t), u / dt, x0=u, rtol=1e-5, recycle=space)
         return s.x, s.iterations, s.recycle
 
-    rows = []
+    rows, times = [], [jnp.asarray(float(i), DTYPE) for i in range(steps)]
     for name, step, hand_on in (("gmres(30)", gmres, False), ("gcrot cold", gcrot, False),
                                 ("gcrot recycled", gcrot, True)):
-        for _ in range(2):  # the first pass compiles, the second is timed
-            u, space, matvecs = u0, None, 0
-            start = time.perf_counter()
-            for i in range(steps):
-                given = space if hand_on else None
-                used = given is not None and space_used(given)
-                u, its, space = step(jnp.asarray(float(i), DTYPE), u, given)
-                # a space the ledger used cost its k refresh matvecs
-                matvecs += int(its) + (sx._krylov.gcrot.K if used else 0)
-            jax.block_until_ready(u)
-            seconds = time.perf_counter() - start
+        matvecs, seconds = sequence_matvecs(step, u0, times, hand_on, sx._krylov.gcrot.K)
         emit(rows, {"method": name, "matvecs": matvecs, "seconds": seconds})
     return rows
 

@@ -43,7 +43,7 @@ import jax
 jax.config.update("jax_enable_x64", True)
 
 import jax.numpy as jnp  # noqa: E402
-from problems import bratu, parse_args, run_parts, space_used  # noqa: E402
+from problems import bratu, parse_args, run_parts, sequence_matvecs, space_used  # noqa: E402
 
 import solvax as sx  # noqa: E402
 
@@ -261,20 +261,10 @@ def _member(n, steps, velocity, drift, m_k, rtol):
         s = sx.gcrot(operator(n, t, velocity), u / DT, x0=u, m=m, k=k, rtol=rtol, recycle=space)
         return s.x, s.iterations, s.recycle
 
-    out = {}
-    for name, step, hand_on in (("gmres(30)", gmres, False), ("cold", gcrot, False),
-                                ("recycled", gcrot, True)):
-        for _ in range(2):
-            u, space, matvecs = initial(n), None, 0
-            start = time.perf_counter()
-            for i in range(steps):
-                given = space if hand_on else None
-                used = given is not None and space_used(given)
-                u, its, space = step(drift * i, u, given)
-                matvecs += int(its) + (k if used else 0)
-            jax.block_until_ready(u)
-            out[name] = (matvecs, time.perf_counter() - start)
-    return out
+    times = [drift * i for i in range(steps)]
+    return {name: sequence_matvecs(step, initial(n), times, hand_on, k)
+            for name, step, hand_on in (("gmres(30)", gmres, False), ("cold", gcrot, False),
+                                        ("recycled", gcrot, True))}
 
 
 def family(small):

@@ -115,6 +115,29 @@ def space_used(space) -> bool:
     return bool(sx._krylov.recycling.worth_refreshing(getattr(space, "ledger", None)))
 
 
+def sequence_matvecs(step, u0, times, hand_on: bool, k: int):
+    """`(matvecs, seconds)` of a sequence of solves, each from the last one's
+    answer: `step(t, u, space) -> (u, iterations, space)` at each `t` of
+    `times`, handing the returned recycled space to the next solve where
+    `hand_on` (a space the ledger uses costs its `k` refresh matvecs,
+    `space_used`). Run twice: the first pass compiles, the second is timed."""
+    import time
+
+    import jax
+
+    for _ in range(2):
+        u, space, matvecs = u0, None, 0
+        start = time.perf_counter()
+        for t in times:
+            given = space if hand_on else None
+            used = given is not None and space_used(given)
+            u, its, space = step(t, u, given)
+            matvecs += int(its) + (k if used else 0)
+        jax.block_until_ready(u)
+        seconds = time.perf_counter() - start
+    return matvecs, seconds
+
+
 def median_time(fn, *args, repeats=5):
     """Median wall time (s) of `repeats` warm runs of `jax.jit(fn)(*args)`
     (the first call, which compiles, is not timed)."""
