@@ -44,21 +44,24 @@ def assert_galerkin(mg):
         np.testing.assert_allclose(matrix_of(coarse.op, coarse.op.shape), galerkin, atol=1e-12)
 
 
-@pytest.mark.parametrize("shape, boundary", [
-    ((9, 6), ("neumann", "periodic")),
-    ((4, 7, 3), ("periodic", "neumann", "dirichlet")),
+@pytest.mark.parametrize("shape, boundary, one_device", [
+    ((9, 6), ("neumann", "periodic"), False),
+    ((4, 7, 3), ("periodic", "neumann", "dirichlet"), False),
+    ((9, 6), ("neumann", "periodic"), True),
 ])
-def test_galerkin_of_a_general_stencil(shape, boundary):
+def test_galerkin_of_a_general_stencil(shape, boundary, one_device):
     """A nonsymmetric 9- or 27-point stencil with entries pointing out of the
     grid at every edge (a Neumann edge folds them in; a Dirichlet one drops
     them), odd sizes, and a periodic axis of 2 coarse points (where the
-    offsets -1 and +1 are the same neighbour)."""
+    offsets -1 and +1 are the same neighbour); on one device too (`shards`
+    all 1: each axis product's inputs computed into memory first)."""
     rng = np.random.default_rng(3)
     entries = {o: jnp.asarray(rng.standard_normal(shape))
                for o in itertools.product((-1, 0, 1), repeat=len(shape))}
     entries[(0,) * len(shape)] = entries[(0,) * len(shape)] + 30.0
     A = sx.stencil_operator(entries, boundary=boundary)
-    mg = sx.multigrid(A, coarse_size=2, semicoarsening=1e-12)
+    shards = (1,) * len(shape) if one_device else None
+    mg = sx.multigrid(A, coarse_size=2, semicoarsening=1e-12, shards=shards)
     assert 2 in [lv.op.shape[0] for lv in mg.levels]
     assert_galerkin(mg)
 
@@ -773,8 +776,11 @@ def test_a_narrowed_one_device_set_up_computes_each_galerkin_level_once():
     # its narrowed copy, and computed it again there: a narrowed hierarchy
     # (float32 from float64, or a narrower storage) on one device computes
     # each explicit level's operator into memory (a conditional); one in the
-    # operator's own precision (slower so, measured) or on a grid that may be
-    # split (the halo exchanges of its steps stay shared) does not
+    # operator's own precision (slower so, measured) does not. On one device
+    # each axis product of a level computes its shared inputs into memory (a
+    # conditional per coarsened axis: `galerkin_operator`'s `split`). On a
+    # grid that may be split none of these (the halo exchanges of the steps
+    # stay shared)
     k = field((32, 32))
 
     def conditionals(shards, **options):
@@ -783,7 +789,8 @@ def test_a_narrowed_one_device_set_up_computes_each_galerkin_level_once():
 
     levels = len(sx.multigrid(sx.diffusion_operator(k), coarse_size=16).levels)
     assert levels >= 3 and k.dtype == jnp.float64
+    split = 2 * (levels - 1)   # two coarsened axes per explicit level
     for options in (dict(dtype=jnp.float32), dict(storage_dtype=jnp.bfloat16)):
-        assert conditionals((1, 1), **options) == levels - 1
+        assert conditionals((1, 1), **options) == levels - 1 + split
         assert conditionals((2, 1), **options) == 0
-    assert conditionals((1, 1)) == 0
+    assert conditionals((1, 1)) == split

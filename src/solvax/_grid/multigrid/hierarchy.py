@@ -4,6 +4,7 @@ and the alike coarse levels built by one scanned body (`Tail`)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -135,7 +136,8 @@ def _tail(op: StencilOperator, shapes: tuple, axes: tuple):
     def body(op, region):
         lmax = smoothing_data(op, True, region)
         transfer = make_transfer(op, axes)
-        return padded_to(galerkin_operator(op, transfer, lmax), padded), Level(op, lmax, transfer)
+        return (padded_to(galerkin_operator(op, transfer, lmax, split=True), padded),
+                Level(op, lmax, transfer))
 
     regions = jnp.asarray(np.array(shapes[:-1], np.int32))
     last, levels = jax.lax.scan(body, op, regions)
@@ -186,6 +188,6 @@ def build_hierarchy(op: StencilOperator, *, coarse_size: int, max_levels: int,
         levels.append(Level(op, lmax, transfer))
         if not axes:
             return levels, None
-        galerkin = jitted(galerkin_operator)
+        galerkin = functools.partial(jitted(galerkin_operator, 3), split=one_device)
         op = (computed(lmax, galerkin, op, transfer, lmax) if materialize
               else galerkin(op, transfer, lmax))
