@@ -455,12 +455,17 @@ def test_full_interpolation_is_galerkin_and_spd():
     """`interpolation="full"` (black-box: the points inside a coarse cell from
     the whole stencil) with `R A P` by probing: every coarse operator is the
     dense Galerkin product, the cycle (with multicolour Gauss-Seidel
-    smoothing) is SPD: a periodic and a Neumann axis."""
+    smoothing) is SPD: a periodic and a Neumann axis. The same hierarchy
+    built for one device (each class's weights computed into memory first)."""
     shape, boundary = (12, 12), ("periodic", "neumann")
     A = sx.diffusion_operator(field(shape), boundary=boundary, shift=0.05)
-    mg = sx.multigrid(A, coarse_size=36, interpolation="full", smoother="gauss_seidel", steps=1)
+    options = dict(coarse_size=36, interpolation="full", smoother="gauss_seidel", steps=1)
+    mg = sx.multigrid(A, **options)
     assert mg.levels[0].transfer.full
     assert_galerkin(mg)
+    alone = sx.multigrid(A, shards=(1, 1), **options)
+    for a, b in zip(jax.tree_util.tree_leaves(mg), jax.tree_util.tree_leaves(alone)):
+        np.testing.assert_allclose(a, b, rtol=1e-14, atol=0)
     M = matrix_of(mg, shape)
     np.testing.assert_allclose(M, M.T, atol=1e-12)
     assert np.linalg.eigvalsh(M).min() > 0

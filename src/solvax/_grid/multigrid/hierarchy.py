@@ -184,7 +184,8 @@ def build_hierarchy(op: StencilOperator, *, coarse_size: int, max_levels: int,
         lmax = jitted(smoothing_data, 1)(op, bool(levels) and bool(axes))
         full = interpolation == "full" and len(axes) >= 2 and not any(
             b == "periodic" and (n // 2) % 3 for b, n in zip(op.boundary, op.shape))
-        transfer = jitted(make_transfer, 1, 2)(op, axes, full) if axes else None
+        transfer = (jitted(make_transfer, 1, 2)(op, axes, full, lmax if one_device else None)
+                    if axes else None)
         levels.append(Level(op, lmax, transfer))
         if not axes:
             return levels, None
