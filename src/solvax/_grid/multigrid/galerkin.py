@@ -70,8 +70,7 @@ def _galerkin_axis(op: StencilOperator, axis: int, weights: dict, flag=None
                                                   op.axis_names))) for t in (-1, 0, 1)}
         return shifted, {o: rows(jnp.broadcast_to(c, shape)) for o, c in fine.items()}
 
-    shifted, fine_rows = (parts(alpha, fine) if flag is None
-                          else computed(flag, parts, alpha, dict(fine)))
+    shifted, fine_rows = computed(flag, parts, alpha, dict(fine))
     entries = {}
     for target in offsets:
         total = 0.0

@@ -281,8 +281,7 @@ def _centres(op: StencilOperator, axes: tuple, flag=None) -> list:
                 return [sampled(jnp.where(centre > 0, jnp.abs(collapsed[o]) / safe, 0), phases)
                         for o in offsets]
 
-            weights = (ratios(centre, collapsed) if flag is None
-                       else computed(flag, ratios, centre, collapsed))
+            weights = computed(flag, ratios, centre, collapsed)
             mask = functools.reduce(jnp.logical_and, [parity[a] == p for a, p in phases])
             out.append((tuple(offsets), weights, mask, phases))
     return out
