@@ -39,6 +39,7 @@ jax.config.update("jax_enable_x64", True)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from problems import cell_relative_residual, cell_stencil  # noqa: E402
 
 import solvax as sx  # noqa: E402
 
@@ -46,38 +47,12 @@ GOOD_FLOOR = ("STAGNATION", "MAX_STEPS")  # a precision floor, named as such
 
 
 # ------------------------------------------------------------------ problems
-def stencil(n: int, convection: float):
-    """The 5-point entries (h = 1/n) of the cell-centred `-Laplace u + c du/dx`,
-    upwind along axis 0, Dirichlet faces half a cell out (as
-    `sx.diffusion_operator`: a boundary face adds `2 / h^2` to the centre);
-    c = 0 is `sx.diffusion_operator(1, spacing=1/n)`."""
-    h2, c = float(n * n), convection * n
-    faces = np.zeros((n, n))
-    faces[[0, -1], :] += 1
-    faces[:, [0, -1]] += 1
-    return {(0, 0): 4.0 * h2 + c + h2 * faces, (-1, 0): -h2 - c, (1, 0): -h2,
-            (0, -1): -h2, (0, 1): -h2}
-
-
 def operator(n: int, convection: float, dtype):
     if convection == 0.0:
         return sx.diffusion_operator(jnp.ones((n, n), dtype), spacing=1.0 / n)
     entries = {o: jnp.broadcast_to(jnp.asarray(v, dtype), (n, n))
-               for o, v in stencil(n, convection).items()}
+               for o, v in cell_stencil(n, convection).items()}
     return sx.stencil_operator(entries)
-
-
-def apply_numpy(n: int, convection: float, x: np.ndarray) -> np.ndarray:
-    """The same operator in float64 NumPy (Dirichlet: zero outside)."""
-    xp = np.pad(np.asarray(x, np.float64), 1)
-    return sum(v * xp[1 + i:1 + i + n, 1 + j:1 + j + n]
-               for (i, j), v in stencil(n, convection).items())
-
-
-def relative_residual(n, convection, x, b) -> float:
-    b = np.asarray(b, np.float64)
-    r = b - apply_numpy(n, convection, np.asarray(x, np.float64))
-    return float(np.linalg.norm(r) / np.linalg.norm(b))
 
 
 # ------------------------------------------------------------------- solvers
@@ -222,7 +197,7 @@ def krylov_row(n, convection, solve, dtype, rtol, precond_name, expect_converged
         return solve(A, b, rtol=rtol, precond=preconditioner(precond_name, A))
 
     first, warm, sol = timed(run, b)
-    res = relative_residual(n, convection, sol.x, b)
+    res = cell_relative_residual(n, convection, sol.x, b)
     status = sx.Status(int(sol.status)).name
     ok_converged = bool(sol.converged) and res <= 3 * rtol
     if bool(sol.converged):

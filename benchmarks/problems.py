@@ -1,12 +1,39 @@
 """What the problem benchmarks share: matrix-free operators and command-line options."""
 
 import jax.numpy as jnp
+import numpy as np
 
 
 def poisson(x):
     """5-point Dirichlet Laplacian on a 2-D grid (unscaled)."""
     xp = jnp.pad(x, 1)
     return 4 * x - xp[:-2, 1:-1] - xp[2:, 1:-1] - xp[1:-1, :-2] - xp[1:-1, 2:]
+
+
+def cell_stencil(n: int, convection: float):
+    """The 5-point entries (h = 1/n) of the cell-centred `-Laplace u + c du/dx`,
+    upwind along axis 0, Dirichlet faces half a cell out (as
+    `sx.diffusion_operator`: a boundary face adds `2 / h^2` to the centre);
+    c = 0 is `sx.diffusion_operator(1, spacing=1/n)`."""
+    h2, c = float(n * n), convection * n
+    faces = np.zeros((n, n))
+    faces[[0, -1], :] += 1
+    faces[:, [0, -1]] += 1
+    return {(0, 0): 4.0 * h2 + c + h2 * faces, (-1, 0): -h2 - c, (1, 0): -h2,
+            (0, -1): -h2, (0, 1): -h2}
+
+
+def cell_apply_numpy(n: int, convection: float, x: np.ndarray) -> np.ndarray:
+    """The same operator in float64 NumPy (Dirichlet: zero outside)."""
+    xp = np.pad(np.asarray(x, np.float64), 1)
+    return sum(v * xp[1 + i:1 + i + n, 1 + j:1 + j + n]
+               for (i, j), v in cell_stencil(n, convection).items())
+
+
+def cell_relative_residual(n, convection, x, b) -> float:
+    b = np.asarray(b, np.float64)
+    r = b - cell_apply_numpy(n, convection, np.asarray(x, np.float64))
+    return float(np.linalg.norm(r) / np.linalg.norm(b))
 
 
 def convection_diffusion(strength=10.0):
