@@ -142,6 +142,18 @@ def eigvalsh(a):
     return eigh(a)[0] if emulated(a.dtype) else jnp.linalg.eigvalsh(a)
 
 
+#: `pinv`'s cutoff in units of `eps` times the largest singular value,
+#: independent of the size: a singular multigrid level's null space sits at
+#: about `eps` (0.03-0.2 `eps` measured, float32 Poisson with Neumann or
+#: periodic edges, 64-4096 points). `jnp.linalg.pinv`'s `10 n eps` grew
+#: with the coarsest level and cut its smoothest genuine modes in float32,
+#: the ones its coarse correction is for: float32 MG-CG on 256^2 with
+#: `coarse_size=4096` took 15 iterations for Poisson (4 with this cutoff)
+#: and 169 for a log-normal field (48), and random blocks 300 (11);
+#: float64 was unchanged (`docs/multigrid.md`).
+CUTOFF = 10
+
+
 def svd_lowers(dtype) -> bool:
     """Whether the target compiles an SVD in `dtype`. Not a float32 (or
     complex64) one on a TPU with x64 enabled: it aborts the compiler there
@@ -155,8 +167,8 @@ def svd_lowers(dtype) -> bool:
 
 
 def pinv(a):
-    """The pseudo-inverse of a square `a`, from its SVD (singular values below
-    `10 n eps` times the largest count as zero, as `jnp.linalg.pinv`).
+    """The pseudo-inverse of a square `a`, from its SVD: singular values below
+    `CUTOFF * eps` times the largest count as zero.
 
     Where the target cannot compile the SVD in `a`'s dtype (`svd_lowers`:
     float32 on a TPU with x64 on) it comes from products alone
@@ -167,7 +179,7 @@ def pinv(a):
     if not svd_lowers(a.dtype):
         return _schulz_pinv(a)
     u, s, vh = jnp.linalg.svd(a, full_matrices=False)
-    cutoff = 10 * max(a.shape[-2:]) * jnp.finfo(s.dtype).eps * s[..., :1]
+    cutoff = CUTOFF * jnp.finfo(s.dtype).eps * s[..., :1]
     inverse_s = jnp.where(s > cutoff, 1 / jnp.where(s > cutoff, s, 1), 0).astype(a.dtype)
     x = mm(jnp.conj(jnp.swapaxes(vh, -1, -2)) * inverse_s[..., None, :],
            jnp.conj(jnp.swapaxes(u, -1, -2)))
@@ -186,16 +198,21 @@ def _schulz_pinv(a):
     Along each singular direction the step maps `x = sigma X` to
     `x (2 - x)`: from `x_0 >= (sigma / sigma_max)^2 / n` it reaches 1
     (converged, a fixed point) in about `log2(1 / x_0) + 5` steps. The fixed
-    count covers every direction down to `10 n eps` times the largest, the
-    SVD form's cutoff. Directions below it (a singular matrix's null space,
-    which rounding leaves at about `eps` times the largest) are still far
-    from 1 there; the final steps square `x`, so they vanish (`x^4`) while
-    converged ones stay. Used where the target compiles no SVD in the dtype
+    count covers every direction down to `10 n eps` times the largest
+    (`jnp.linalg.pinv`'s cutoff; `10 sqrt(n) eps` where `|a|_1 |a|_inf` is
+    near `sigma_max^2`, as for a stencil). Directions below it (a singular
+    matrix's null space, which rounding leaves at about `eps` times the
+    largest) are still far from 1 there; the final steps square `x`, so they
+    vanish (`x^4`) while converged ones stay. Not run longer, to the SVD
+    form's `CUTOFF eps`: each step doubles what rounding puts in a null
+    space, and a count that long converged it (Neumann and periodic Poisson
+    on 16^2: relative errors 0.79 and 32 against 1e-5). Used where the
+    target compiles no SVD in the dtype
     (`svd_lowers`): the emulated float64 SVD it would take instead compiled
     for about 40 s on a TPU, these products in a loop in under a second."""
     n = a.shape[-1]
     eps = jnp.finfo(a.dtype).eps
-    cutoff = 10 * n * float(eps)   # the SVD form's, relative to the largest singular value
+    cutoff = 10 * n * float(eps)   # relative to the largest singular value
     steps = int(np.ceil(np.log2(n / cutoff ** 2))) + 6
     magnitude = jnp.abs(a)
     norm = jnp.max(jnp.sum(magnitude, axis=-2), axis=-1) * jnp.max(jnp.sum(magnitude, axis=-1),
