@@ -108,7 +108,7 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
             3^d-point stencil is block tridiagonal), which allows a much
             larger coarsest level (`coarse_size` up to 65536 points; a
             128^2 level is factored in about 10^9 flops and solved in 10^7
-            per cycle (measured on one CPU: 113 ms and 7.8 ms), gathered
+            per cycle (measured on one CPU: 80 ms and 7.8 ms), gathered
             like `"direct"` on a sharded grid). For
             coefficients that jump on small blocks, stopping the hierarchy
             before its grids get coarser than the blocks is what makes
