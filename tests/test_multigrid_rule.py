@@ -95,6 +95,26 @@ def test_the_nearest_choices_of_lines():
     assert (large.coarse, large.coarse_size) == ("lines", 16384) and "spacing 8" in large.reason
 
 
+def test_a_singular_float32_operator_is_singular():
+    """Whether a point is shifted is judged against its row sum's rounding
+    in the coefficients' dtype (`singular_level`): a float32 Neumann
+    operator on blocks valued 1.1 and 3333.3 rounds to excesses of a few
+    `eps` and was taken for shifted (lines, which cannot factor a singular
+    level); now it is singular, as in float64. The nearest valid input:
+    a float32 shift just above that level, still below `SHIFTED`, keeps the
+    lines."""
+    k = np.where(np.asarray(blocks((128, 128), 8)) > 2, 3333.3, 1.1)
+    for dtype in (jnp.float32, jnp.float64):
+        op = sx.diffusion_operator(jnp.asarray(k, dtype), boundary="neumann")
+        assert "singular" in rule.choose(op, True).reason, dtype
+    w = np.asarray(sx.diffusion_operator(jnp.asarray(k), boundary="neumann").diagonal())
+    level = rule.singular_level(jnp.float32)
+    assert level < 1e-3 and level * 8 ** 2 < rule.SHIFTED[2]
+    shift = 4 * level * float(w.min())       # an excess of about 4x the level at every point
+    op = sx.diffusion_operator(jnp.asarray(k, jnp.float32), boundary="neumann", shift=shift)
+    assert rule.choose(op, True).coarse == "lines"
+
+
 def test_traced_coefficients_keep_the_plain_configuration():
     k = blocks((64, 64), 4)
 
