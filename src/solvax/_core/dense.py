@@ -207,9 +207,9 @@ def _schulz_pinv(a):
     form's `CUTOFF eps`: each step doubles what rounding puts in a null
     space, and a count that long converged it (Neumann and periodic Poisson
     on 16^2: relative errors 0.79 and 32 against 1e-5). Used where the
-    target compiles no SVD in the dtype
-    (`svd_lowers`): the emulated float64 SVD it would take instead compiled
-    for about 40 s on a TPU, these products in a loop in under a second."""
+    target compiles no SVD in the dtype (`svd_lowers`): the emulated float64
+    SVD it would take instead compiled for about 40 s on a TPU, these
+    products in a loop in under a second."""
     n = a.shape[-1]
     eps = jnp.finfo(a.dtype).eps
     cutoff = 10 * n * float(eps)   # relative to the largest singular value
