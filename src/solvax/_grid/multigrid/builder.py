@@ -194,7 +194,7 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
     # the set-up (no derivative of its eigenvalue estimates or gathers)
     op = jax.lax.stop_gradient(operator)
     if dtype is not None:
-        op = jax.tree_util.tree_map(lambda c: c.astype(dtype), op)
+        op = _narrowed(op, dtype)
     levels, tail = build_hierarchy(op, coarse_size=coarse_size, max_levels=max_levels,
                                    semicoarsening=float(semicoarsening), shards=shards,
                                    interpolation=interpolation, one_device=one_device,
@@ -207,6 +207,14 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
             tail = Tail(_stored_as(tail.levels, storage_dtype), tail.shapes, tail.padded)
     return Multigrid(levels, coarse_solve, cycle, smoother, steps, float(chebyshev_lower), dtype,
                      tail)
+
+
+def _narrowed(op: StencilOperator, dtype) -> StencilOperator:
+    """`op` with its coefficients cast to `dtype` once, into memory, before
+    the set-up reads them: without the barrier XLA fuses whatever computed
+    them (the harmonic means of a float64 `diffusion_operator`, say) into
+    each reader, in the wider precision, once per reader."""
+    return jax.lax.optimization_barrier(jax.tree_util.tree_map(lambda c: c.astype(dtype), op))
 
 
 def _resolved(operator: StencilOperator, interpolation: str, coarse: str, coarse_size) -> tuple:
