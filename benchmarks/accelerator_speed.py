@@ -380,49 +380,49 @@ def recycling(small: bool) -> list[dict]:
     return rows
 
 
-def precision(small: bool) -> list[dict]:
+def precision(small: bool, sizes=None) -> list[dict]:
     jax.config.update("jax_enable_x64", True)  # float64 from here on (the last part)
-    rows = []
-    for n in (32, 64) if small else (2048, 4096):
-        b64 = np.random.default_rng(0).standard_normal((n, n))
+    sizes = sizes or ((32, 64) if small else (2048, 4096))
+    b64 = {n: np.random.default_rng(0).standard_normal((n, n)) for n in sizes}
 
-        def mg_cg(k, b, rtol, n=n):
-            A = sx.diffusion_operator(k, spacing=1.0 / n)
-            return sx.pcg(A, b, precond=sx.multigrid(A), rtol=rtol, atol=0.0)
+    def mg_cg(k, b, rtol):
+        A = sx.diffusion_operator(k, spacing=1.0 / k.shape[0])
+        return sx.pcg(A, b, precond=sx.multigrid(A), rtol=rtol, atol=0.0)
 
-        def refinement(k, b, n=n):
-            A = sx.diffusion_operator(k, spacing=1.0 / n)
-            return sx.iterative_refinement(A, b, precond=sx.multigrid(A, dtype=jnp.float32),
-                                           rtol=1e-10)
+    def refinement(k, b):
+        A = sx.diffusion_operator(k, spacing=1.0 / k.shape[0])
+        return sx.iterative_refinement(A, b, precond=sx.multigrid(A, dtype=jnp.float32),
+                                       rtol=1e-10)
 
-        args = {dt: (jnp.ones((n, n), dt), jnp.asarray(b64, dt))
+    pair = {"float32 MG-CG to its floor": (lambda k, b: mg_cg(k, b, 1e-7), jnp.float32),
+            "refinement, float32 MG-CG corrections": (refinement, jnp.float64)}
+    alone = {"float64 MG-CG": (lambda k, b: mg_cg(k, b, 1e-10), jnp.float64)}
+    # the pair the target compares, interleaved, at every size first; then
+    # float64 MG-CG alone (emulated on a TPU: its first call compiles for
+    # minutes, so it runs last; not at 4096^2 there)
+    groups = [(n, pair) for n in sizes] + [
+        (n, alone) for n in sizes if small or n <= 2048 or jax.default_backend() != "tpu"]
+    rows, floors = [], {}
+    for n, cases in groups:
+        args = {dt: (jnp.ones((n, n), dt), jnp.asarray(b64[n], dt))
                 for dt in (jnp.float32, jnp.float64)}
-        # the pair the target compares, interleaved; then float64 MG-CG alone
-        # (emulated on a TPU: its first call compiles for minutes, so it runs
-        # last and its row prints on its own; not at 4096^2 there)
-        groups = [{"float32 MG-CG to its floor": (lambda k, b: mg_cg(k, b, 1e-7), jnp.float32),
-                   "refinement, float32 MG-CG corrections": (refinement, jnp.float64)}]
-        if small or n <= 2048 or jax.default_backend() != "tpu":
-            groups.append({"float64 MG-CG": (lambda k, b: mg_cg(k, b, 1e-10), jnp.float64)})
-        floor = None
-        for cases in groups:
-            found = {}
-            for name, (fn, dt) in cases.items():
-                t = time.perf_counter()
-                sol = jax.block_until_ready(jax.jit(fn)(*args[dt]))
-                found[name] = (sol, time.perf_counter() - t)
-                print(f"  {name} {n}^2: first call {found[name][1]:.1f} s", flush=True)
-            # each contender picks its own dtype's arrays from both tuples
-            timing = interleaved({name: lambda a32, a64, f=fn, dt=dt: f(*(
-                a32 if dt == jnp.float32 else a64)).x for name, (fn, dt) in cases.items()},
-                args[jnp.float32], args[jnp.float64], rounds=3)
-            floor = timing.get("float32 MG-CG to its floor", floor)
-            for name, (sol, first) in found.items():
-                emit(rows, {"case": f"Poisson {n}^2 {name}", "first_s": first,
-                            "status": sx.Status(int(sol.status)).name,
-                            "iterations": int(sol.iterations),
-                            "true_residual": cell_relative_residual(n, 0.0, sol.x, b64),
-                            "seconds": timing[name], "vs_float32": timing[name] / floor})
+        found = {}
+        for name, (fn, dt) in cases.items():
+            t = time.perf_counter()
+            sol = jax.block_until_ready(jax.jit(fn)(*args[dt]))
+            found[name] = (sol, time.perf_counter() - t)
+            print(f"  {name} {n}^2: first call {found[name][1]:.1f} s", flush=True)
+        # each contender picks its own dtype's arrays from both tuples
+        timing = interleaved({name: lambda a32, a64, f=fn, dt=dt: f(*(
+            a32 if dt == jnp.float32 else a64)).x for name, (fn, dt) in cases.items()},
+            args[jnp.float32], args[jnp.float64], rounds=3)
+        floors.setdefault(n, timing.get("float32 MG-CG to its floor"))
+        for name, (sol, first) in found.items():
+            emit(rows, {"case": f"Poisson {n}^2 {name}", "first_s": first,
+                        "status": sx.Status(int(sol.status)).name,
+                        "iterations": int(sol.iterations),
+                        "true_residual": cell_relative_residual(n, 0.0, sol.x, b64[n]),
+                        "seconds": timing[name], "vs_float32": timing[name] / floors[n]})
     return rows
 
 
@@ -480,6 +480,8 @@ def main():
     p.add_argument("--small", action="store_true", help="tiny sizes (a smoke test)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--only", nargs="+", default=[""], metavar="TEXT")
+    p.add_argument("--sizes", nargs="+", type=int, default=None,
+                   help="the precision part's grid sizes (default 2048 4096)")
     p.add_argument("--hlo", default=None, help="write each Krylov contender's optimized HLO here")
     args = p.parse_args()
     global HLO_DIR
@@ -498,7 +500,7 @@ def main():
                        ("tolerance", lambda: tolerance(args.small)),
                        ("multigrid", lambda: multigrid(args.small, bandwidth)),
                        ("recycling", lambda: recycling(args.small)),
-                       ("precision", lambda: precision(args.small))):  # last: x64 on
+                       ("precision", lambda: precision(args.small, args.sizes))):  # last: x64 on
         if wanted(name):
             out[name] = part()   # its rows printed as they came (`emit`)
             write(args.out, meta, out)  # after every part: a run cut short keeps the rest

@@ -201,6 +201,23 @@ def test_accelerator_speed_small(tmp_path):
     assert "passes at triad" in (tmp_path / "cpu_speed.md").read_text()
 
 
+def test_device_profile_and_compile_probe_small(tmp_path):
+    """The chip's profiling scripts on this CPU: each profiled case reports
+    its kernels' time and launches per call, writes the optimized HLO it was
+    asked for, and the compile probe times each program it names."""
+    env = dict(os.environ, PROFILE_HLO="vcycle")
+    done = subprocess.run([sys.executable, str(BENCH / "device_profile.py"), "--small",
+                           "--only", "vcycle", "pcg_standard", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    heads = [line.split() for line in done.stdout.splitlines() if line.startswith("## ")]
+    assert [h[1] for h in heads] == ["vcycle_32:", "pcg_standard_32:"]
+    assert all(float(h[2]) > 0 and int(h[-2]) > 0 for h in heads)
+    assert [p.name for p in tmp_path.iterdir()] == ["vcycle_32.hlo.txt"]
+    out = run("probe_refinement_compile.py", "32", "resid64", "ref_mg")
+    assert [line.split()[0] for line in out.splitlines()] == ["resid64", "ref_mg"]
+
+
 def test_plot_results_draws_every_figure_from_the_saved_results(tmp_path):
     out = run("plot_results.py", "--out", str(tmp_path))
     names = ["convergence_preconditioners.png", "convergence_variants.png",
