@@ -1,6 +1,6 @@
 """Speed on the current backend (a TPU chip): Krylov steps, multigrid, recycling.
 
-`python benchmarks/accelerator_speed.py [--small] [--out DIR] [--only TEXT ...]`
+`python benchmarks/accelerator_speed.py [--small] [--out DIR] [--only TEXT ...] [--sizes N ...]`
 
 One process, float32, solvax and its peers interleaved (each round runs every
 contender once; medians of the rounds, `problems.interleaved`). Parts (`--only`):
@@ -27,7 +27,8 @@ contender once; medians of the rounds, `problems.interleaved`). Parts (`--only`)
   float64 NumPy on the host): `iterative_refinement` with float32 MG-CG
   corrections, beside float32 MG-CG to its own floor (rtol 1e-7, which
   float32 stops short of: STAGNATION) and all-float64 MG-CG (emulated on a
-  TPU, at 2048^2 only there, alone and last: its compile takes minutes);
+  TPU, at 2048^2 only there, alone, after the pairs of every size: its
+  compile takes minutes); `--sizes` picks the grid sizes;
   the refinement's time over the float32 solve's (issue 51 target 4: at
   most 2x).
 - `recycling`: 12 backward-Euler steps of a slowly varying
