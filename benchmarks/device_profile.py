@@ -9,7 +9,8 @@ threads' HLO ops) are summed by HLO instruction name and divided by
 share of the call. A loop's or conditional's own event spans the kernels it
 launched and an async copy's `copy-done` its wait: both are listed but left
 out of the sum and the launches (an async slice's `slice-done` is counted).
-A call's wall time minus that sum is time between kernels.
+A call's wall time (untraced, the median of `repeat` calls, printed beside
+the sum) minus that sum is time between kernels.
 
 The optimized HLO of each case whose name contains one of the
 comma-separated texts in the environment variable `PROFILE_HLO` is written
@@ -25,6 +26,7 @@ import glob
 import os
 import re
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +65,11 @@ def profile(name: str, fn, args: tuple, repeat: int, out: str, top: int = 25) ->
         with open(os.path.join(out, f"{name}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
     jax.block_until_ready(compiled(*args))
+    walls = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        walls.append(time.perf_counter() - t)
     folder = tempfile.mkdtemp()
     with jax.profiler.trace(folder):
         for _ in range(repeat):
@@ -74,8 +81,9 @@ def profile(name: str, fn, args: tuple, repeat: int, out: str, top: int = 25) ->
             count[op] += 1 / repeat
     # a loop or conditional's own event spans the kernels it launched
     whole = sum(us for op, us in total.items() if not CONTROL.match(op))
-    print(f"\n## {name}: {whole:.1f} us of device kernels per call, "
-          f"{sum(c for op, c in count.items() if not CONTROL.match(op)):.0f} launches", flush=True)
+    launches = sum(c for op, c in count.items() if not CONTROL.match(op))
+    print(f"\n## {name}: {whole:.1f} us of device kernels per call, {launches:.0f} launches, "
+          f"{1e6 * float(np.median(walls)):.1f} us wall (untraced, median)", flush=True)
     for op, us in total.most_common(top):
         print(f"  {us:10.2f} us  {count[op]:7.1f} x  {100 * us / max(whole, 1e-9):5.1f}%  {op}")
 
