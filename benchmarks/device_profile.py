@@ -26,14 +26,13 @@ import glob
 import os
 import re
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import jax.scipy.sparse.linalg as jsl
 import numpy as np
 from jax.profiler import ProfileData
-from problems import convection_diffusion, poisson
+from problems import convection_diffusion, median_time, poisson
 
 import solvax as sx
 
@@ -64,12 +63,7 @@ def profile(name: str, fn, args: tuple, repeat: int, out: str, top: int = 25) ->
     if any(text in name for text in HLO):
         with open(os.path.join(out, f"{name}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
-    jax.block_until_ready(compiled(*args))
-    walls = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        walls.append(time.perf_counter() - t)
+    wall = median_time(compiled, *args, repeats=repeat)
     folder = tempfile.mkdtemp()
     with jax.profiler.trace(folder):
         for _ in range(repeat):
@@ -83,7 +77,7 @@ def profile(name: str, fn, args: tuple, repeat: int, out: str, top: int = 25) ->
     whole = sum(us for op, us in total.items() if not CONTROL.match(op))
     launches = sum(c for op, c in count.items() if not CONTROL.match(op))
     print(f"\n## {name}: {whole:.1f} us of device kernels per call, {launches:.0f} launches, "
-          f"{1e6 * float(np.median(walls)):.1f} us wall (untraced, median)", flush=True)
+          f"{1e6 * wall:.1f} us wall (untraced, median)", flush=True)
     for op, us in total.most_common(top):
         print(f"  {us:10.2f} us  {count[op]:7.1f} x  {100 * us / max(whole, 1e-9):5.1f}%  {op}")
 
