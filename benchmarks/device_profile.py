@@ -31,14 +31,12 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.sparse.linalg as jsl
 import numpy as np
+from accelerator_speed import DTYPE, FAR, convection
 from jax.profiler import ProfileData
-from problems import convection_diffusion, median_time, poisson
+from problems import median_time, poisson
 
 import solvax as sx
 
-DTYPE = jnp.float32
-FAR = 1e-30  # an rtol no float32 solve reaches: the step limit ends every solve
-convection = convection_diffusion(10.0)
 #: events that span other kernels or wait for a transfer
 CONTROL = re.compile(r"%?(while|cond|conditional|call|copy-done)(\.|\s|$)")
 HLO = [t for t in os.environ.get("PROFILE_HLO", "").split(",") if t]

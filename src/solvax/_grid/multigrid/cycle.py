@@ -4,8 +4,6 @@ treatment at the bottom."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,7 +129,8 @@ class Multigrid:
             return level.keep()(lambda e: rc - coarse.op(e), e)
 
         if f is not None:
-            e = self._flagged_f(below, rc, left, f, at_tail, twice)
+            flagged = self._tail_f_or_v if at_tail else (lambda r, f: below(r, "F", f))
+            e = self._flagged_f(flagged, rc, left, f, twice)
         elif not twice:
             e = below(rc, kind)
         elif kind == "F":
@@ -145,17 +144,10 @@ class Multigrid:
                                   unroll=scan_unroll(2) > 1)
         return self._up(level, x, r, e)
 
-    def _flagged_f(self, below, rc, left, f, at_tail: bool, twice: bool):
+    def _flagged_f(self, below, rc, left, f, twice: bool):
         """The coarse correction of an F-cycle's level (`f` true) or a
-        V-cycle's (`f` false), `f` traced: each way down once in the
-        program. Below the explicit levels, the `Tail`'s F moves or its
-        V scans, chosen by a conditional."""
-        if at_tail:
-            def below(r, f):
-                return jax.lax.cond(f, lambda r: self._moving(r, "F"),
-                                    lambda r: self._tail_cycle(r, "V"), r)
-        else:
-            below = functools.partial(lambda go, r, f: go(r, "F", f), below)
+        V-cycle's (`f` false), `f` traced, each way down (`below(r, f)`) once
+        in the program: two visits in a loop, the second skipped unless `f`."""
         if not twice:
             return below(rc, f)
 
@@ -165,6 +157,12 @@ class Multigrid:
             return jax.lax.cond((i == 0) | f, taken, lambda e: e, e)
 
         return jax.lax.fori_loop(0, 2, visit, jnp.zeros_like(rc))
+
+    def _tail_f_or_v(self, r, f):
+        """The `Tail`'s part of an F-cycle (its moves) or of a V-cycle (its
+        scans), chosen by the traced `f`."""
+        return jax.lax.cond(f, lambda r: self._moving(r, "F"),
+                            lambda r: self._tail_cycle(r, "V"), r)
 
     def _smooth(self, level: Level, x, r, post: bool):
         """The smoother's `steps` steps for `A x = r` from `x` (zero if None)."""
