@@ -62,21 +62,22 @@ def _galerkin_axis(op: StencilOperator, axis: int, weights: dict, flag=None
     offsets = sorted(terms)
     if op.symmetric:   # so is `P^T A P`: its stored half only
         offsets = [o for o in offsets if stored_half(o)]
-    def parts(alpha, fine):
-        """The weights at each coarse column's offset, the fine rows at the
-        three rows each coarse point reads (computed into memory first where
-        `flag` is given: `galerkin_operator`)."""
+    def products(alpha, fine):
+        """The coarse entries from the weights and the fine entries: each
+        one sum of the terms above, its rows and shifted weights read by
+        that sum from the inputs."""
         shifted = {t: dict(zip(offsets, shift_all(alpha[t], offsets, op.boundary,
                                                   op.axis_names))) for t in (-1, 0, 1)}
-        return shifted, {o: rows(jnp.broadcast_to(c, shape)) for o, c in fine.items()}
+        fine_rows = {o: rows(jnp.broadcast_to(c, shape)) for o, c in fine.items()}
+        entries = {}
+        for target in offsets:
+            total = 0.0
+            for s, t, o in terms[target]:
+                total = total + alpha[s] * fine_rows[o][s] * shifted[t][target]
+            entries[target] = total
+        return entries
 
-    shifted, fine_rows = computed(flag, parts, alpha, dict(fine))
-    entries = {}
-    for target in offsets:
-        total = 0.0
-        for s, t, o in terms[target]:
-            total = total + alpha[s] * fine_rows[o][s] * shifted[t][target]
-        entries[target] = total
+    entries = computed(flag, products, alpha, dict(fine))
     return StencilOperator(entries, coarse, op.boundary, op.axis_names, op.symmetric)
 
 
@@ -92,12 +93,18 @@ def galerkin_operator(op: StencilOperator, transfer: Transfer, flag=None,
     narrowed hierarchy on one device computes the result into memory:
     `build_hierarchy`.)
     `flag`: the level's `lambda_max`, a replicated scalar for `computed`.
-    `split` (a grid on one device): each axis product's inputs, the fine
-    rows and the shifted weights that its up to 27 terms share, computed
-    into memory first (`computed`): XLA:CPU otherwise fused them into every
-    term that reads them, recomputed, and compiled hundreds of instructions
-    per fusion (two 2-D levels at 512^2: set-up 51 -> 17 ms, compile 3.3 ->
-    1.4 s). Not on a sharded grid, where the barriers cost halos (above)."""
+    `split` (a grid on one device): each axis product computed inside
+    one fusion barrier (`computed`), so that its inputs (the fine entries
+    and the weights) are in memory and each coarse entry is one kernel that
+    reads its fine rows and shifted weights from them. XLA:CPU otherwise
+    fused the inputs' own arithmetic into every term that reads them,
+    recomputed, and compiled hundreds of instructions per fusion (two 2-D
+    levels at 512^2: set-up 51 -> 17 ms, compile 3.3 -> 1.4 s). Computing
+    the rows and shifted weights into memory first, as before, cost a
+    kernel and a pass over memory each: Poisson 1024^2's program 636 ->
+    433 kernels without them, its set-up 136 -> 105 ms (float32: 88 -> 70),
+    128^3 324 -> 229 ms, 64^3 in float32 25 -> 13 ms. Not on a sharded
+    grid, where the barriers cost halos (above)."""
     if transfer.full:
         out = _galerkin_probed(op, transfer, flag)
     else:
