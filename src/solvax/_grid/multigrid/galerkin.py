@@ -51,14 +51,7 @@ def _galerkin_axis(op: StencilOperator, axis: int, weights: dict, flag=None
     w_next = following(w_minus, lambda: axis_slice(weights["minus"], axis, nc, nc + 1))
     alpha = {-1: w_plus, 0: jnp.ones_like(w_plus), 1: w_next}
     fine = op.entries   # a symmetric operator's other half: its stored half shifted
-    terms = {}     # coarse offset -> [(s, t, fine offset)]
-    for o in fine:
-        for big in (-1, 0, 1):
-            for s in (-1, 0, 1):
-                t = o[axis] + s - 2 * big
-                if t in (-1, 0, 1):
-                    target = tuple(big if a == axis else v for a, v in enumerate(o))
-                    terms.setdefault(target, []).append((s, t, o))
+    terms = _axis_terms(fine, axis)
     offsets = sorted(terms)
     if op.symmetric:   # so is `P^T A P`: its stored half only
         offsets = [o for o in offsets if stored_half(o)]
@@ -79,6 +72,21 @@ def _galerkin_axis(op: StencilOperator, axis: int, weights: dict, flag=None
 
     entries = computed(flag, products, alpha, dict(fine))
     return StencilOperator(entries, coarse, op.boundary, op.axis_names, op.symmetric)
+
+
+def _axis_terms(fine_offsets, axis: int) -> dict:
+    """`_galerkin_axis`'s terms: per coarse offset (`O` along `axis`), the
+    `(s, t, o)` with `2 O + t - s` the `axis` component of a fine offset `o`
+    (the other components as they are), `s` and `t` in {-1, 0, 1}."""
+    terms = {}
+    for o in fine_offsets:
+        for big in (-1, 0, 1):
+            for s in (-1, 0, 1):
+                t = o[axis] + s - 2 * big
+                if t in (-1, 0, 1):
+                    target = tuple(big if a == axis else v for a, v in enumerate(o))
+                    terms.setdefault(target, []).append((s, t, o))
+    return terms
 
 
 def galerkin_operator(op: StencilOperator, transfer: Transfer, flag=None,
