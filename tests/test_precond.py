@@ -33,6 +33,18 @@ def test_jacobi_pytree_and_fewer_iterations():
     assert rel_err(pre.x["a"], np.linalg.solve(A, b["a"])) < 1e-8
 
 
+def test_jacobi_of_a_stencil_operator_is_jacobi_of_its_diagonal():
+    # an operator is a pytree of coefficients too: read as a "diagonal" its
+    # reciprocals made a nonsense preconditioner that failed inside pcg
+    k = jnp.asarray(np.exp(np.random.default_rng(0).standard_normal((24, 24))))
+    A = sx.diffusion_operator(k)
+    b = rhs((24, 24))
+    given = sx.pcg(A, b, precond=sx.jacobi(A), rtol=1e-10)
+    nearest = sx.pcg(A, b, precond=sx.jacobi(A.diagonal()), rtol=1e-10)
+    assert bool(given.converged) and int(given.iterations) == int(nearest.iterations)
+    np.testing.assert_array_equal(given.x, nearest.x)
+
+
 def test_block_jacobi_applies_inverse_blocks():
     A, _ = tridiag()
     blocks = jnp.stack([A[i:i + 10, i:i + 10] for i in range(0, N, 10)])

@@ -20,7 +20,9 @@ def jacobi(diagonal: PyTree) -> Callable[[PyTree], PyTree]:
 
     Args:
         diagonal: the diagonal of `A`, a pytree shaped like the vectors
-            (each leaf sharded like its vector leaf; nonzero entries).
+            (each leaf sharded like its vector leaf; nonzero entries), or a
+            `StencilOperator` (its centre coefficients: `sx.jacobi(A)` is
+            `sx.jacobi(A.diagonal())`).
 
     Returns:
         `precond(r)`, elementwise: no communication. A pytree (a
@@ -30,6 +32,11 @@ def jacobi(diagonal: PyTree) -> Callable[[PyTree], PyTree]:
     Raises:
         TypeError: non-floating leaves.
     """
+    from .._grid.stencil import StencilOperator  # the grid package imports this one
+
+    if isinstance(diagonal, StencilOperator):
+        # an operator is a pytree too: its coefficients are not a diagonal
+        diagonal = diagonal.diagonal()
     checks.check_vector("diagonal", diagonal)
     inverse = jax.tree_util.tree_map(lambda d: 1 / d, diagonal)
     return jax.tree_util.Partial(_scaled_by, inverse)
