@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._core import checks
 from .._core.dense import PRECISION, inv
@@ -32,14 +33,19 @@ def jacobi(diagonal: PyTree) -> Callable[[PyTree], PyTree]:
     Raises:
         TypeError: non-floating leaves.
     """
-    from .._grid.stencil import StencilOperator  # the grid package imports this one
-
-    if isinstance(diagonal, StencilOperator):
-        # an operator is a pytree too: its coefficients are not a diagonal
+    if _is_operator(diagonal):   # an operator is a pytree too: not a diagonal
         diagonal = diagonal.diagonal()
     checks.check_vector("diagonal", diagonal)
     inverse = jax.tree_util.tree_map(lambda d: 1 / d, diagonal)
     return jax.tree_util.Partial(_scaled_by, inverse)
+
+
+def _is_operator(x) -> bool:
+    """Whether `x` is an operator that knows its diagonal (a `StencilOperator`:
+    a pytree of coefficients, which `jacobi` must not take for a diagonal),
+    rather than an array (whose `diagonal` is a matrix's) or a pytree of them."""
+    return (not isinstance(x, jax.Array | np.ndarray | np.generic)
+            and callable(getattr(x, "diagonal", None)))
 
 
 def _scaled_by(inverse: PyTree, r: PyTree) -> PyTree:
