@@ -26,7 +26,7 @@ from solvax._grid.multigrid.cycle import Multigrid
 def matrix_of(fn, shape):
     n = int(np.prod(shape))
     eye = jnp.eye(n).reshape(n, *shape)
-    return np.asarray(jax.vmap(fn)(eye)).reshape(n, -1).T
+    return np.asarray(jax.jit(jax.vmap(fn))(eye)).reshape(n, -1).T   # one program, not op by op
 
 
 def field(shape, seed=0):
