@@ -10,8 +10,9 @@ import tempfile
 # programs of one mixed-layout IDR(s) case). The HLO passes and the SPMD
 # partitioner, hence every collective the tests count, are the same at every
 # level; only the machine code of the (tiny) test problems is slower. The
-# entry points the tests start get the same flags (`helpers.entry_point_env`);
-# the benchmarks' smoke runs keep the default level (they time compiles).
+# entry points the tests start get the same flags (`helpers.entry_point_env`),
+# and so do the benchmarks' smoke runs (without the device count: each script
+# sets its own; they assert no time).
 TEST_XLA_FLAGS = ("--xla_force_host_platform_device_count=8",
                   "--xla_backend_optimization_level=0")
 
