@@ -200,3 +200,19 @@ def test_linear_matvecs_nearest_to_nonlinear_ones_are_accepted():
                    lambda x: poisson_2d(x) / 3.0, jax.jit(poisson_2d)):
         assert sx.pcg(linear, b).converged
     assert sx.gmres(poisson_2d, b, precond=lambda r: r / (1 + 0.01 * jnp.abs(r))).converged
+
+
+@pytest.mark.parametrize("solver", [sx.pcg, sx.gmres, sx.bicgstab, sx.iterative_refinement])
+def test_an_operator_passed_as_a_vector_is_named(solver):
+    # a StencilOperator is a pytree of floating arrays: before, it passed for a
+    # vector and failed inside (`b`: "calling `matvec` ... failed", `x0`: a
+    # pytree-structure mismatch); the nearest valid inputs (arrays of its
+    # grid, the operator first) solve
+    A = sx.diffusion_operator(jnp.ones((8, 8)))
+    rhs = jnp.ones((8, 8))
+    with pytest.raises(TypeError, match="`b` is a callable \\(StencilOperator\\): an operator"):
+        jax.jit(lambda: solver(rhs, A)).lower()
+    with pytest.raises(TypeError, match="`x0` is a callable \\(StencilOperator\\)"):
+        jax.jit(lambda: solver(A, rhs, x0=A)).lower()
+    sol = solver(A, A.diagonal(), x0=jnp.zeros((8, 8)))
+    assert sx.Status(int(sol.status)) == sx.Status.CONVERGED

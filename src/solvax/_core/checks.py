@@ -21,7 +21,9 @@ def _describe(tree: PyTree) -> str:
 
 
 def check_vector(name: str, tree: PyTree) -> None:
-    """`tree` is a non-empty pytree of inexact (float or complex) arrays."""
+    """`tree` is a non-empty pytree of inexact (float or complex) arrays, and
+    not an operator (`check_not_operator`)."""
+    check_not_operator(name, tree)
     leaves = jax.tree_util.tree_leaves(tree)
     if not leaves:
         raise ValueError(f"`{name}` must be an array or a pytree with at least one array leaf.")
@@ -35,6 +37,16 @@ def check_vector(name: str, tree: PyTree) -> None:
     if sum(int(np.size(leaf)) for leaf in leaves) == 0:
         raise ValueError(f"`{name}` has no entries (every leaf has size 0): there is nothing "
                          "to solve.")
+
+
+def check_not_operator(name: str, tree: PyTree) -> None:
+    """`tree`, a vector argument, is not a callable: an operator such as a
+    `StencilOperator` is a pytree of floating arrays too, and would otherwise
+    pass for a vector and fail later, inside the solve, under another name."""
+    if callable(tree) and not isinstance(tree, jax.Array | np.ndarray):
+        raise TypeError(f"`{name}` is a callable ({type(tree).__name__}): an operator, not a "
+                        f"vector. Pass `{name}` as an array or a pytree of arrays; the "
+                        "operator goes first (`solver(A, b, ...)`).")
 
 
 def check_precision(name: str, tree: PyTree) -> None:
@@ -59,6 +71,7 @@ def strong(tree: PyTree) -> PyTree:
 
 def check_like(name: str, tree: PyTree, ref_name: str, ref: PyTree) -> None:
     """`tree` has `ref`'s pytree structure and, leaf by leaf, its shape and dtype."""
+    check_not_operator(name, tree)
     t_struct = jax.tree_util.tree_structure(tree)
     r_struct = jax.tree_util.tree_structure(ref)
     if t_struct != r_struct:
