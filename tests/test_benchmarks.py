@@ -20,10 +20,10 @@ def run(script, *args):
     """Run a benchmark script in a fresh process. No compilation cache (the
     scripts time compiles, and a cached compile is not one) and no device
     count (each script sets its own: the multigrid one runs on one device,
-    where its hierarchy differs); but the tests' compile flags (`conftest.py`:
-    LLVM level 0, the older CPU emitters). A smoke run asserts no time, and
-    its compiles were most of this stage: the multigrid script took 146 s
-    with the default flags, 71 s with these."""
+    where its hierarchy differs); but the tests' compile flags (the rest of
+    `conftest.TEST_XLA_FLAGS`). A smoke run asserts no time, and its compiles
+    were most of this stage: the multigrid script took 146 s with the
+    default flags, 71 s with LLVM level 0 and the older CPU emitters."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     env = {k: v for k, v in os.environ.items()
