@@ -1,6 +1,7 @@
 """Speed on the current backend (a TPU chip): Krylov steps, multigrid, recycling.
 
-`python benchmarks/accelerator_speed.py [--small] [--out DIR] [--only TEXT ...] [--sizes N ...]`
+`python benchmarks/accelerator_speed.py [--small] [--out DIR] [--only TEXT ...] [--sizes N ...]
+[--cases TEXT ...]`
 
 One process, float32, solvax and its peers interleaved (each round runs every
 contender once; medians of the rounds, `problems.interleaved`). Parts (`--only`):
@@ -21,7 +22,8 @@ contender once; medians of the rounds, `problems.interleaved`). Parts (`--only`)
 - `multigrid`: MG-CG (`pcg` with `multigrid`, V, W and F cycles) on Poisson
   at 1024^2 to 4096^2 and 128^3: first call (trace + compile + run), warm
   solve, one V-cycle against one plain CG step of the same size, the
-  V-cycle's bytes model (`cycle_passes`) at the triad bandwidth.
+  V-cycle's bytes model (`cycle_passes`) at the triad bandwidth; `--cases`
+  keeps the cases whose label (`2-D 2048^2 W`) contains one of its texts.
 - `precision` (run last: it turns on x64): Poisson at 2048^2 and 4096^2,
   set-up included, to a float64 true relative residual of 1e-10 (checked in
   float64 NumPy on the host): `iterative_refinement` with float32 MG-CG
@@ -307,7 +309,9 @@ def _per_step(problem, n, ours, peers, reference, steps, bandwidth):
     return rows
 
 
-def multigrid(small: bool, bandwidth: float) -> list[dict]:
+def multigrid(small: bool, bandwidth: float, only=None) -> list[dict]:
+    """The multigrid rows; `only`: texts, a case runs if its label (`"2-D
+    2048^2 W"`) contains one of them (`--cases`)."""
     if small:
         cases = [("2-D", 32, "V"), ("3-D", 8, "V")]
     else:
@@ -317,6 +321,8 @@ def multigrid(small: bool, bandwidth: float) -> list[dict]:
     rows = []
     for dims, n, cycle in cases:
         shape = (n, n) if dims == "2-D" else (n, n, n)
+        if only and not any(t in f"{dims} {n}^{len(shape)} {cycle}" for t in only):
+            continue
         k = jnp.ones(shape, DTYPE)
         b = jnp.asarray(np.random.default_rng(0).standard_normal(shape), DTYPE)
 
@@ -483,6 +489,8 @@ def main():
     p.add_argument("--only", nargs="+", default=[""], metavar="TEXT")
     p.add_argument("--sizes", nargs="+", type=int, default=None,
                    help="the precision part's grid sizes (default 2048 4096)")
+    p.add_argument("--cases", nargs="+", default=None, metavar="TEXT",
+                   help="the multigrid part's cases whose label contains one of these")
     p.add_argument("--hlo", default=None, help="write each Krylov contender's optimized HLO here")
     args = p.parse_args()
     global HLO_DIR
@@ -499,7 +507,7 @@ def main():
     print(f"triad: {bandwidth:.0f} GB/s", flush=True)
     for name, part in (("krylov", lambda: krylov(args.small, bandwidth)),
                        ("tolerance", lambda: tolerance(args.small)),
-                       ("multigrid", lambda: multigrid(args.small, bandwidth)),
+                       ("multigrid", lambda: multigrid(args.small, bandwidth, args.cases)),
                        ("recycling", lambda: recycling(args.small)),
                        ("precision", lambda: precision(args.small, args.sizes))):  # last: x64 on
         if wanted(name):
