@@ -1,7 +1,7 @@
 """Speed on the current backend (a TPU chip): Krylov steps, multigrid, recycling.
 
 `python benchmarks/accelerator_speed.py [--small] [--out DIR] [--only TEXT ...] [--sizes N ...]
-[--cases TEXT ...]`
+[--cases TEXT ...] [--fresh]`
 
 One process, float32, solvax and its peers interleaved (each round runs every
 contender once; medians of the rounds, `problems.interleaved`). Parts (`--only`):
@@ -23,7 +23,10 @@ contender once; medians of the rounds, `problems.interleaved`). Parts (`--only`)
   at 1024^2 to 4096^2 and 128^3: first call (trace + compile + run), warm
   solve, one V-cycle against one plain CG step of the same size, the
   V-cycle's bytes model (`cycle_passes`) at the triad bandwidth; `--cases`
-  keeps the cases whose label (`2-D 2048^2 W`) contains one of its texts.
+  keeps the cases whose label (`2-D 2048^2 W`) contains one of its texts;
+  `--fresh` measures each case's first call again in a process of its own
+  (`--first-call LABEL` prints just that), since what a process compiled
+  before moves a first call by seconds on a TPU.
 - `precision` (run last: it turns on x64): Poisson at 2048^2 and 4096^2,
   set-up included, to a float64 true relative residual of 1e-10 (checked in
   float64 NumPy on the host): `iterative_refinement` with float32 MG-CG
@@ -50,6 +53,8 @@ import datetime
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 
 import jax
@@ -309,9 +314,46 @@ def _per_step(problem, n, ours, peers, reference, steps, bandwidth):
     return rows
 
 
-def multigrid(small: bool, bandwidth: float, only=None) -> list[dict]:
+def _mg_case(label: str):
+    """`(k, b, solve)` of a multigrid case from its label (`"2-D 2048^2 W"`):
+    Poisson's coefficients and a random right-hand side, and MG-CG to 1e-5."""
+    dims, size, cycle = label.split()
+    n = int(size.split("^")[0])
+    shape = (n,) * (2 if dims == "2-D" else 3)
+    k = jnp.ones(shape, DTYPE)
+    b = jnp.asarray(np.random.default_rng(0).standard_normal(shape), DTYPE)
+
+    def solve(k, b):
+        A = sx.diffusion_operator(k, spacing=1.0 / n)
+        return sx.pcg(A, b, precond=sx.multigrid(A, cycle=cycle), rtol=1e-5)
+
+    return k, b, solve
+
+
+def first_call(label: str):
+    """`(Solution, seconds)`: a multigrid case's first call (trace, compile,
+    run), its arrays already on the device."""
+    k, b, solve = _mg_case(label)
+    jax.block_until_ready((k, b))
+    t = time.perf_counter()
+    sol = jax.block_until_ready(jax.jit(solve)(k, b))
+    return sol, time.perf_counter() - t
+
+
+def fresh_first_call(label: str) -> float:
+    """A case's first call in a process of its own (`--first-call`), which
+    compiled nothing before it: what a process has compiled moves a first
+    call by seconds on a TPU (128^3: 11.4 s after the 2-D cases, 25.6 s as
+    the process's first compile)."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--first-call", label],
+                         capture_output=True, text=True, check=True).stdout
+    return float(out.split("first call:")[-1].split()[0])
+
+
+def multigrid(small: bool, bandwidth: float, only=None, fresh: bool = False) -> list[dict]:
     """The multigrid rows; `only`: texts, a case runs if its label (`"2-D
-    2048^2 W"`) contains one of them (`--cases`)."""
+    2048^2 W"`) contains one of them (`--cases`); `fresh`: each case's first
+    call measured again in a fresh process (`fresh_first_call`)."""
     if small:
         cases = [("2-D", 32, "V"), ("3-D", 8, "V")]
     else:
@@ -320,34 +362,31 @@ def multigrid(small: bool, bandwidth: float, only=None) -> list[dict]:
         cases += [("3-D", 128, "V"), ("3-D", 256, "V")]
     rows = []
     for dims, n, cycle in cases:
-        shape = (n, n) if dims == "2-D" else (n, n, n)
-        if only and not any(t in f"{dims} {n}^{len(shape)} {cycle}" for t in only):
+        label = f"{dims} {n}^{2 if dims == '2-D' else 3} {cycle}"
+        if only and not any(t in label for t in only):
             continue
-        k = jnp.ones(shape, DTYPE)
-        b = jnp.asarray(np.random.default_rng(0).standard_normal(shape), DTYPE)
-
-        def solve(k, b, n=n, cycle=cycle):
-            A = sx.diffusion_operator(k, spacing=1.0 / n)
-            return sx.pcg(A, b, precond=sx.multigrid(A, cycle=cycle), rtol=1e-5)
+        k, b, solve = _mg_case(label)
+        shape = k.shape
 
         def cg(k, b, n=n):
             A = sx.diffusion_operator(k, spacing=1.0 / n)
             return jsl.cg(A, b, tol=0.0, atol=0.0, maxiter=20)[0]
 
-        t = time.perf_counter()
-        sol = jax.block_until_ready(jax.jit(solve)(k, b))
-        first = time.perf_counter() - t
+        sol, first = first_call(label)
         M = jax.jit(lambda k, n=n, cycle=cycle: sx.multigrid(
             sx.diffusion_operator(k, spacing=1.0 / n), cycle=cycle))(k)
         # every contender takes (k, b, M); the arrays are arguments, never constants
-        timing = interleaved({"solve": lambda k, b, M: solve(k, b).x,
+        timing = interleaved({"solve": lambda k, b, M, solve=solve: solve(k, b).x,
                               "cycle": lambda k, b, M: M(b),
                               "cg step": lambda k, b, M: cg(k, b)}, k, b, M, rounds=5)
         step = timing["cg step"] / 20
         levels = len(M.levels)
         model = cycle_passes(levels, dims=len(shape))
         vector_s = k.size * jnp.dtype(DTYPE).itemsize / (bandwidth * 1e9)
-        emit(rows, {"case": f"MG-CG {dims} {n}^{len(shape)} {cycle}", "first_s": first,
+        row = {"case": f"MG-CG {label}", "first_s": first}
+        if fresh:
+            row["first_fresh_s"] = fresh_first_call(label)
+        emit(rows, {**row,
                     "iterations": int(sol.iterations), "status": sx.Status(int(sol.status)).name,
                     "solve_ms": 1e3 * timing["solve"], "cycle_ms": 1e3 * timing["cycle"],
                     "cg_step_ms": 1e3 * step, "cycle_in_cg_steps": timing["cycle"] / step,
@@ -462,7 +501,9 @@ def markdown(meta, out) -> str:
         lines += ["| case | first s | iterations | solve ms | cycle ms | CG step ms | "
                   "cycle / CG step | levels | cycle passes | passes at triad (ms) |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['case']} | {r['first_s']:.2f} | {r['iterations']} | "
+        lines += [f"| {r['case']} | {r['first_s']:.2f}"
+                  + (f" ({r['first_fresh_s']:.2f} fresh)" if "first_fresh_s" in r else "")
+                  + f" | {r['iterations']} | "
                   f"{r['solve_ms']:.3f} | {r['cycle_ms']:.3f} | {r['cg_step_ms']:.4f} | "
                   f"{r['cycle_in_cg_steps']:.1f} | {r['levels']} | {r['cycle_passes']:.1f} | "
                   f"{r['cycle_passes_ms']:.3f} |" for r in out["multigrid"]]
@@ -491,8 +532,15 @@ def main():
                    help="the precision part's grid sizes (default 2048 4096)")
     p.add_argument("--cases", nargs="+", default=None, metavar="TEXT",
                    help="the multigrid part's cases whose label contains one of these")
+    p.add_argument("--fresh", action="store_true",
+                   help="each multigrid case's first call again in a fresh process")
+    p.add_argument("--first-call", default=None, metavar="LABEL",
+                   help="only print this multigrid case's first call (what --fresh runs)")
     p.add_argument("--hlo", default=None, help="write each Krylov contender's optimized HLO here")
     args = p.parse_args()
+    if args.first_call:
+        print(f"first call: {first_call(args.first_call)[1]:.3f} s")
+        return
     global HLO_DIR
     HLO_DIR = args.hlo
     device = jax.devices()[0]
@@ -507,7 +555,8 @@ def main():
     print(f"triad: {bandwidth:.0f} GB/s", flush=True)
     for name, part in (("krylov", lambda: krylov(args.small, bandwidth)),
                        ("tolerance", lambda: tolerance(args.small)),
-                       ("multigrid", lambda: multigrid(args.small, bandwidth, args.cases)),
+                       ("multigrid", lambda: multigrid(args.small, bandwidth, args.cases,
+                                                      args.fresh)),
                        ("recycling", lambda: recycling(args.small)),
                        ("precision", lambda: precision(args.small, args.sizes))):  # last: x64 on
         if wanted(name):
