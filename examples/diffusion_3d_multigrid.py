@@ -65,7 +65,10 @@ def main():
         print(f"{name:13s} {n}^3 on {len(jax.devices())} devices: {int(sol.iterations):4d} "
               f"iterations, {seconds:.2f} s, true relative residual {residual:.1e}, "
               f"{sx.Status(int(sol.status)).name}, x sharded as {sol.x.sharding.spec}")
-    mg = sx.multigrid(sx.diffusion_operator(k, spacing=1.0 / n))
+    # the hierarchy the multigrid-CG solve above used (the same `shards`), built
+    # inside `jit` as there, to print its levels and what one iteration communicates
+    mg = jax.jit(lambda k: sx.multigrid(sx.diffusion_operator(k, spacing=1.0 / n),
+                                        shards=shards))(k)
     print("levels:", " -> ".join("x".join(map(str, s)) for s in mg.shapes))
     report = sx.count_collectives(
         lambda k, f, m: sx.pcg(sx.diffusion_operator(k, spacing=1.0 / n), f, precond=m).x,
