@@ -315,25 +315,28 @@ def _per_step(problem, n, ours, peers, reference, steps, bandwidth):
 
 
 def _mg_case(label: str):
-    """`(k, b, solve)` of a multigrid case from its label (`"2-D 2048^2 W"`):
-    Poisson's coefficients and a random right-hand side, and MG-CG to 1e-5."""
+    """`(k, b, operator, solve)` of a multigrid case from its label (`"2-D
+    2048^2 W"`): Poisson's coefficients, a random right-hand side, the
+    operator of coefficients `k`, and MG-CG to 1e-5 with the label's cycle."""
     dims, size, cycle = label.split()
     n = int(size.split("^")[0])
     shape = (n,) * (2 if dims == "2-D" else 3)
     k = jnp.ones(shape, DTYPE)
     b = jnp.asarray(np.random.default_rng(0).standard_normal(shape), DTYPE)
 
+    def operator(k):
+        return sx.diffusion_operator(k, spacing=1.0 / n)
+
     def solve(k, b):
-        A = sx.diffusion_operator(k, spacing=1.0 / n)
+        A = operator(k)
         return sx.pcg(A, b, precond=sx.multigrid(A, cycle=cycle), rtol=1e-5)
 
-    return k, b, solve
+    return k, b, operator, solve
 
 
-def first_call(label: str):
-    """`(Solution, seconds)`: a multigrid case's first call (trace, compile,
-    run), its arrays already on the device."""
-    k, b, solve = _mg_case(label)
+def first_call(solve, k, b):
+    """`(Solution, seconds)`: `solve`'s first call (trace, compile, run) on
+    `k, b`, the arrays already on the device."""
     jax.block_until_ready((k, b))
     t = time.perf_counter()
     sol = jax.block_until_ready(jax.jit(solve)(k, b))
@@ -365,23 +368,19 @@ def multigrid(small: bool, bandwidth: float, only=None, fresh: bool = False) -> 
         label = f"{dims} {n}^{2 if dims == '2-D' else 3} {cycle}"
         if only and not any(t in label for t in only):
             continue
-        k, b, solve = _mg_case(label)
-        shape = k.shape
-
-        def cg(k, b, n=n):
-            A = sx.diffusion_operator(k, spacing=1.0 / n)
-            return jsl.cg(A, b, tol=0.0, atol=0.0, maxiter=20)[0]
-
-        sol, first = first_call(label)
-        M = jax.jit(lambda k, n=n, cycle=cycle: sx.multigrid(
-            sx.diffusion_operator(k, spacing=1.0 / n), cycle=cycle))(k)
+        k, b, operator, solve = _mg_case(label)
+        sol, first = first_call(solve, k, b)
+        M = jax.jit(lambda k, operator=operator, cycle=cycle: sx.multigrid(
+            operator(k), cycle=cycle))(k)
         # every contender takes (k, b, M); the arrays are arguments, never constants
-        timing = interleaved({"solve": lambda k, b, M, solve=solve: solve(k, b).x,
-                              "cycle": lambda k, b, M: M(b),
-                              "cg step": lambda k, b, M: cg(k, b)}, k, b, M, rounds=5)
+        timing = interleaved({
+            "solve": lambda k, b, M, solve=solve: solve(k, b).x,
+            "cycle": lambda k, b, M: M(b),
+            "cg step": lambda k, b, M, operator=operator: jsl.cg(
+                operator(k), b, tol=0.0, atol=0.0, maxiter=20)[0]}, k, b, M, rounds=5)
         step = timing["cg step"] / 20
         levels = len(M.levels)
-        model = cycle_passes(levels, dims=len(shape))
+        model = cycle_passes(levels, dims=k.ndim)
         vector_s = k.size * jnp.dtype(DTYPE).itemsize / (bandwidth * 1e9)
         row = {"case": f"MG-CG {label}", "first_s": first}
         if fresh:
@@ -539,7 +538,8 @@ def main():
     p.add_argument("--hlo", default=None, help="write each Krylov contender's optimized HLO here")
     args = p.parse_args()
     if args.first_call:
-        print(f"first call: {first_call(args.first_call)[1]:.3f} s")
+        k, b, _, solve = _mg_case(args.first_call)
+        print(f"first call: {first_call(solve, k, b)[1]:.3f} s")
         return
     global HLO_DIR
     HLO_DIR = args.hlo

@@ -209,7 +209,6 @@ def test_accelerator_speed_small(tmp_path):
     assert "passes at triad" in (tmp_path / "cpu_speed.md").read_text()
 
 
-
 def test_accelerator_speed_picks_cases_and_times_a_fresh_first_call(tmp_path):
     """`--cases` keeps the multigrid cases its texts name, and `--fresh` times
     each one's first call again in a process of its own."""
@@ -220,6 +219,7 @@ def test_accelerator_speed_picks_cases_and_times_a_fresh_first_call(tmp_path):
     assert row["case"] == "MG-CG 2-D 32^2 V" and row["status"] == "CONVERGED"
     assert row["first_s"] > 0 and row["first_fresh_s"] > 0
     assert "fresh)" in (tmp_path / "cpu_speed.md").read_text()
+
 
 def test_device_profile_and_compile_probe_small(tmp_path):
     """The chip's profiling scripts on this CPU: each profiled case reports
