@@ -15,15 +15,20 @@ and structured solve for what an accelerator runs differently.
   `_dense.portable()` (x64 is on in these tests) no float32 SVD remains
   (the float32 pseudo-inverse is computed from products); a float64 one
   may.
+- A TPU compiled the float64 refinement at 4096^2 for minutes while a
+  step's emulated float64 sums were side by side (27 s in sequence): one
+  device's and `shard_map`'s sums of an emulated dtype are chained.
 """
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import SOLVERS, rel_err
+from helpers import SOLVERS, count_primitives, mesh, patched_rule, rel_err
+from jax.sharding import PartitionSpec as P
 
 import solvax as sx
 from solvax._core import dense as _dense
@@ -291,3 +296,74 @@ def test_portable_float64_solves_reach_their_tolerance(name):
         assert sol.converged, sol.message
         r = b - op(sol.x)
         assert float(jnp.linalg.norm(r) / jnp.linalg.norm(b)) < 1e-9
+
+
+@contextlib.contextmanager
+def _rules(monkeypatch, module, rules):
+    """Several backend rules of `module` patched at once (`patched_rule`)."""
+    with contextlib.ExitStack() as stack:
+        for rule, value in rules:
+            stack.enter_context(patched_rule(monkeypatch, module, rule, value))
+        yield
+
+
+def _barriers(fn, *args) -> int:
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    return count_primitives(jaxpr, "optimization_barrier")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_emulated_sums_of_one_step_are_read_in_sequence(dtype, monkeypatch):
+    """A TPU compiled the float64 refinement at 4096^2 for over 120 s where
+    its `||r||^2` and `||x||^2` were summed side by side, 27 s in sequence
+    (`reduce.sums_in_sequence`): where a dtype is emulated (here
+    `_dense.portable()`), on one device (the rule patched: these tests have 8)
+    or inside `shard_map`, a call's sums are chained by barriers, `multi_dot`'s
+    and `project_many`'s alike, with the same values; float32, or `jit` on a
+    mesh (whose all-reduces XLA merges only while they are independent), never."""
+    from solvax._core import reduce as _reduce
+
+    x = jnp.linspace(-1.0, 2.0, 64, dtype=dtype)
+    y = jnp.cos(x)
+    pairs = lambda x, y: [(x, x), (y, y), (x, y)]  # noqa: E731
+    ip = sx.InnerProduct()
+    dots = lambda x, y: ip.multi_dot(pairs(x, y))  # noqa: E731
+    projections = lambda x, y: ip.project_many(jnp.stack([x, y]), [x], pairs(x, y))  # noqa: E731
+    local = sx.shard_map(lambda x, y: sx.InnerProduct(axis_name="i").multi_dot(pairs(x, y)),
+                         mesh=mesh(), in_specs=(P("i"), P("i")), out_specs=P())
+    want = np.array([x @ x, y @ y, x @ y])
+    chained = dtype == jnp.float64
+    one_device = [("stacks_products", False), ("sums_in_sequence", True)]
+    with _dense.portable(), _rules(monkeypatch, _reduce, one_device):
+        for fn in (dots, lambda x, y: projections(x, y)[1], local):
+            assert _barriers(fn, x, y) == (2 if chained else 0)
+            np.testing.assert_allclose(fn(x, y), want, rtol=1e-5, atol=1e-5)
+        assert _barriers(local, x, y) == (2 if chained else 0)
+    gpu_mesh = [("stacks_products", False), ("sums_in_sequence", False)]
+    with _dense.portable(), _rules(monkeypatch, _reduce, gpu_mesh):
+        assert _barriers(dots, x, y) == 0   # jit on a mesh: independent all-reduces
+        assert _barriers(local, x, y) == (2 if chained else 0)
+    assert _barriers(dots, x, y) == _barriers(local, x, y) == 0   # float64 native here
+    assert _reduce.sums_in_sequence(1) and not _reduce.sums_in_sequence(8)
+
+
+def test_refinement_sums_its_float64_norms_in_sequence(monkeypatch):
+    """The refinement (float64 residuals, float32 corrections) as a TPU runs
+    it on one device: its float64 `[||b||^2, ||r||^2, ||x||^2]` and `[||r||^2,
+    ||x||^2]` chained, its float32 inner products not; the same answer."""
+    from solvax._core import reduce as _reduce
+
+    n = 32
+    A = sx.diffusion_operator(jnp.ones((n, n)), spacing=1.0 / n)
+    b = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)))
+    solve = lambda b: sx.iterative_refinement(A, b, rtol=1e-10)  # noqa: E731
+    plain = solve(b)
+    counts = {}
+    for chain in (False, True):
+        with _dense.portable(), _rules(monkeypatch, _reduce, [("stacks_products", False),
+                                                              ("sums_in_sequence", chain)]):
+            counts[chain] = _barriers(solve, b)
+            chained = solve(b)
+    assert counts[True] - counts[False] == 2 + 1   # the set-up's three sums, each step's two
+    assert bool(chained.converged) and int(chained.iterations) == int(plain.iterations)
+    assert rel_err(chained.x, plain.x) < 1e-12

@@ -193,6 +193,22 @@ def stacks_products(backend: str | None = None, devices: int | None = None) -> b
     return backend == "cpu" or not MERGES_ALL_REDUCES
 
 
+def sums_in_sequence(devices: int | None = None) -> bool:
+    """The rule for a step's separate sums where the dtype is emulated
+    (`dense.emulated`: float64 on a TPU): in sequence, each pair of vectors
+    read only after the sum before it, on one device (`devices`, default
+    JAX's device count) and inside `shard_map` (the local sums; one `psum`
+    follows either way). XLA:TPU otherwise fuses a step's emulated
+    reductions, with the arithmetic that makes their vectors, into kernels
+    whose compile runs for minutes: the refinement at 4096^2 returning its
+    whole `Solution` (its `||r||^2` and `||x||^2` share a call) compiled for
+    more than 120 s, and in 27 s in sequence (`benchmarks/results/tpu.md`).
+    Under `jit` on a mesh they stay independent: a chain would keep XLA's
+    combiner from merging their all-reduces into one synchronization."""
+    devices = jax.device_count() if devices is None else devices
+    return devices == 1
+
+
 @jax.tree_util.register_pytree_node_class
 class InnerProduct(Reduction):
     """The inner product `<x, y> = sum_leaves sum(conj(x) * weight * y)`.
@@ -266,8 +282,7 @@ class InnerProduct(Reduction):
         # leading axis: one sum over the vector axes, one reduction of a
         # k-vector by construction.
         if self._separate_kernels():
-            return self._global_sum([jnp.stack([jnp.sum(p) for p in products])
-                                     for products in self._pair_leaves(pairs)])
+            return self._global_sum([jnp.stack(sums) for sums in self._pair_sums(pairs)])
         return self._global_sum([_sum_vector_axes(jnp.stack(products))
                                  for products in self._pair_leaves(pairs)])
 
@@ -282,6 +297,21 @@ class InnerProduct(Reduction):
         partials = [block(v, w) for v, w in
                     zip(self._leaves(basis), self._leaves(other, weighted=True))]
         return self._global_sum(partials)
+
+    def _pair_sums(self, pairs: Sequence[Pair]) -> list[list[jax.Array]]:
+        """Per leaf, the sum of each pair's products (separate kernels), in
+        sequence where `sums_in_sequence` rules: each pair read only after
+        the sum before it (an optimization barrier)."""
+        leaves = jax.tree_util.tree_leaves(pairs)
+        emulated = any(dense.emulated(leaf.dtype) for leaf in leaves)
+        if not (emulated and (self.axis_name is not None or sums_in_sequence())):
+            return [[jnp.sum(p) for p in products] for products in self._pair_leaves(pairs)]
+        sums: list[list[jax.Array]] = []  # per pair, per leaf
+        for pair in pairs:
+            if sums:
+                sums[-1], pair = lax.optimization_barrier((sums[-1], pair))
+            sums.append([jnp.sum(products[0]) for products in self._pair_leaves([pair])])
+        return [list(leaf_sums) for leaf_sums in zip(*sums)]
 
     def _separate_kernels(self) -> bool:
         """Whether the products of one step run as separate kernels: inside
@@ -302,14 +332,16 @@ class InnerProduct(Reduction):
         stacked elementwise before one sum."""
         vs = self._leaves(basis)
         xls = [self._leaves(x, weighted=True) for x in xs]
-        products = self._pair_leaves(pairs) if pairs else [[] for _ in vs]
+        separate = self._separate_kernels()
+        products = ((self._pair_sums if separate else self._pair_leaves)(pairs) if pairs
+                    else [[] for _ in vs])
         m, count = len(jax.tree_util.tree_leaves(basis)[0]), len(xs)
         partials = []
         for leaf, v in enumerate(vs):
             conj_xs = [jnp.conj(xl[leaf]) for xl in xls]
-            if self._separate_kernels():
+            if separate:  # `products` holds their sums here
                 blocks = [_basis_times(v, cx) for cx in conj_xs]
-                blocks += [jnp.sum(p)[None] for p in products[leaf]]
+                blocks += [total[None] for total in products[leaf]]
                 partials.append(jnp.concatenate(blocks, axis=0))  # the small result vectors
             elif not pairs:  # (m, *shape) . (*shape, s) -> (m, s)
                 partials.append(_basis_times(v, jnp.stack(conj_xs, axis=-1)).T.reshape(m * count))
