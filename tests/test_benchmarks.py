@@ -235,8 +235,8 @@ def test_device_profile_and_compile_probe_small(tmp_path):
     # "## name: T us of device kernels per call, L launches, W us wall (...)"
     assert all(float(h[2]) > 0 and int(h[9]) > 0 and float(h[11]) > 0 for h in heads)
     assert [p.name for p in tmp_path.iterdir()] == ["vcycle_32.hlo.txt"]
-    out = run("probe_refinement_compile.py", "32", "resid64", "ref_mg")
-    assert [line.split()[0] for line in out.splitlines()] == ["resid64", "ref_mg"]
+    out = run("probe_refinement_compile.py", "32", "resid64", "ref_mg_whole")
+    assert [line.split()[0] for line in out.splitlines()] == ["resid64", "ref_mg_whole"]
 
 
 def test_plot_results_draws_every_figure_from_the_saved_results(tmp_path):
