@@ -8,7 +8,8 @@ sums inside `shard_map`; under `jit`, by the one rule `stacks_products`, the
 per-leaf products stacked along a new leading axis before one sum (a mesh
 on XLA:CPU, where each array of an all-reduce is a rendezvous) or separate
 sums (one device; a GPU or TPU mesh, where XLA's combiner makes them one
-tuple all-reduce, one collective there).
+tuple all-reduce, one collective there). Separate sums of an emulated dtype
+(float64 on a TPU) run in sequence where `sums_in_sequence` says so.
 
 Every kind of inner product derives from `Reduction`, whose only primitives
 are the batched reductions `multi_dot`, `project_many` and `gram`; `project`,
