@@ -338,7 +338,6 @@ def test_emulated_sums_of_one_step_are_read_in_sequence(dtype, monkeypatch):
         for fn in (dots, lambda x, y: projections(x, y)[1], local):
             assert _barriers(fn, x, y) == (2 if chained else 0)
             np.testing.assert_allclose(fn(x, y), want, rtol=1e-5, atol=1e-5)
-        assert _barriers(local, x, y) == (2 if chained else 0)
     gpu_mesh = [("stacks_products", False), ("sums_in_sequence", False)]
     with _dense.portable(), _rules(monkeypatch, _reduce, gpu_mesh):
         assert _barriers(dots, x, y) == 0   # jit on a mesh: independent all-reduces
