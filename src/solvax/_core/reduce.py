@@ -334,21 +334,21 @@ class InnerProduct(Reduction):
         vs = self._leaves(basis)
         xls = [self._leaves(x, weighted=True) for x in xs]
         separate = self._separate_kernels()
-        products = ((self._pair_sums if separate else self._pair_leaves)(pairs) if pairs
-                    else [[] for _ in vs])
+        # per leaf, the pairs' sums (separate kernels) or their products (stacked)
+        terms = ((self._pair_sums if separate else self._pair_leaves)(pairs) if pairs
+                 else [[] for _ in vs])
         m, count = len(jax.tree_util.tree_leaves(basis)[0]), len(xs)
         partials = []
         for leaf, v in enumerate(vs):
             conj_xs = [jnp.conj(xl[leaf]) for xl in xls]
-            if separate:  # `products` holds their sums here
-                blocks = [_basis_times(v, cx) for cx in conj_xs]
-                blocks += [total[None] for total in products[leaf]]
-                partials.append(jnp.concatenate(blocks, axis=0))  # the small result vectors
+            pair_rows = [t[None] for t in terms[leaf]]
+            if separate:  # the small result vectors
+                blocks = [_basis_times(v, cx) for cx in conj_xs] + pair_rows
+                partials.append(jnp.concatenate(blocks, axis=0))
             elif not pairs:  # (m, *shape) . (*shape, s) -> (m, s)
                 partials.append(_basis_times(v, jnp.stack(conj_xs, axis=-1)).T.reshape(m * count))
             else:  # along the small leading (stacking) axis
-                stacked = jnp.concatenate([v * cx[None] for cx in conj_xs]
-                                          + [p[None] for p in products[leaf]], axis=0)
+                stacked = jnp.concatenate([v * cx[None] for cx in conj_xs] + pair_rows, axis=0)
                 partials.append(_sum_vector_axes(stacked))
         total = self._global_sum(partials)
         return jnp.conj(total[: m * count]).reshape(count, m), total[m * count:]
