@@ -9,7 +9,8 @@ per-leaf products stacked along a new leading axis before one sum (a mesh
 on XLA:CPU, where each array of an all-reduce is a rendezvous) or separate
 sums (one device; a GPU or TPU mesh, where XLA's combiner makes them one
 tuple all-reduce, one collective there). Separate sums of an emulated dtype
-(float64 on a TPU) run in sequence where `sums_in_sequence` says so.
+(float64 on a TPU) run in sequence by `sums_in_sequence`; a loop reduces
+before its first step by `reduces_before_loop` (one device).
 
 Every kind of inner product derives from `Reduction`, whose only primitives
 are the batched reductions `multi_dot`, `project_many` and `gram`; `project`,
@@ -206,6 +207,19 @@ def sums_in_sequence(devices: int | None = None) -> bool:
     more than 120 s, and in 27 s in sequence (`benchmarks/results/tpu.md`).
     Under `jit` on a mesh they stay independent: a chain would keep XLA's
     combiner from merging their all-reduces into one synchronization."""
+    devices = jax.device_count() if devices is None else devices
+    return devices == 1
+
+
+def reduces_before_loop(devices: int | None = None) -> bool:
+    """The rule for a reduction before an iteration's loop: taken on one
+    device (`devices`, default JAX's device count), where it synchronizes
+    nothing; not on a mesh, where PCG's table pins none. With it, standard
+    CG tests `<r, r>` at the close of each step, fused with `r`'s update,
+    and applies `M` only to go on (3 vector kernels a step on a TPU, as
+    `jax.scipy`'s cg; an MG-CG solve one V-cycle fewer), and the other CG
+    recurrences take their threshold from `||b||^2` before the loop
+    (`benchmarks/results/tpu.md`). The same arithmetic either way."""
     devices = jax.device_count() if devices is None else devices
     return devices == 1
 

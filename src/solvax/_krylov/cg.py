@@ -9,7 +9,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from .._core import checks, contract, driver, tree
+from .._core import checks, contract, driver, reduce, tree
 from .._core.contract import Outcome, Problem
 from .._core.options import documented
 from .._core.registry import Row, Variant, register_solver
@@ -21,7 +21,10 @@ from .cg_steps import (
     Scalars,
     Single,
     Standard,
+    closed,
+    closing_step,
     finished,
+    opened,
     single_step,
     standard_step,
     start,
@@ -51,9 +54,14 @@ def _run(problem: Problem, *, method: str, max_steps: int | None, residual_repla
     max_steps = problem.step_limit(max_steps)
     identity = problem.precond is None
     rtol, atol = problem.tolerances()
+    # one device: standard CG reduces <r, r> at the close of each step (the
+    # first before the loop), the others take ||b||^2 before the loop
+    ahead = reduce.reduces_before_loop()
+    closing = ahead and method == "standard"
     ctx = Context(A=problem.A, M=(lambda v: v) if identity else problem.precond,
                    identity=identity, ip=problem.ip, rtol=rtol, atol=atol,
-                   tol_from_rr=problem.x0 is None, max_steps=max_steps)
+                   tol_from_rr=problem.x0 is None and (closing or not ahead),
+                   max_steps=max_steps)
     if method == "deflated":
         ell = min(DIRECTIONS_PER_SLOT * recycle_size, problem.size())
         return run_deflated(problem, ctx, real, record_history, recycle_size, ell)
@@ -62,22 +70,24 @@ def _run(problem: Problem, *, method: str, max_steps: int | None, residual_repla
     if method == "pipelined" and residual_replacement:
         step = functools.partial(pipelined_with_replacement, b=problem.b,
                                  every=residual_replacement)
+    elif closing:
+        state, step = opened(state, ctx), closing_step
     else:
         step = _STEPS[method]
     # Up to max_steps steps, then one that only checks the residual it reduces
     # anyway (no update): at the limit, the loop's own test still says whether
-    # x converged, with no reduction after the loop.
+    # x converged, with no reduction after the loop. Every step's `go` holds
+    # the step limit (`top_of_step`): the loop tests `go` alone.
     confirmed = method == "pipelined" and not residual_replacement
     if confirmed:
         state = pipelined_rounds(state, ctx, problem.b)
     else:
-        state = steps.while_loop(problem.ip, problem.b,
-                                   lambda st: st.sc.go & (st.sc.k <= max_steps),
+        state = steps.while_loop(problem.ip, problem.b, lambda st: st.sc.go,
                                    functools.partial(step, ctx=ctx), state)
     if confirmed:
         return finished(state.sc, state.checks.returned(state.x), max_steps,
                          state.checks.stalled)
-    return finished(state.sc, state.x, max_steps)
+    return finished(closed(state.sc, identity) if closing else state.sc, state.x, max_steps)
 
 
 _STEPS = {"standard": standard_step, "single_reduction": single_step,

@@ -21,7 +21,7 @@ class Scalars(NamedTuple):
     """The scalars every CG variant carries from step to step."""
 
     gamma: jax.Array  # <r, M r> of the previous step
-    alpha: jax.Array  # previous step length
+    alpha: jax.Array  # previous step length (inf before the first step)
     tol2: jax.Array  # squared stopping threshold max(atol, rtol ||b||)^2
     k: jax.Array  # steps run (the last one did not update x unless `go`)
     go: jax.Array  # the last step went on; else it stopped the loop, and
@@ -54,15 +54,19 @@ class Context(NamedTuple):
     ip: reduce.Reduction
     rtol: jax.Array
     atol: jax.Array
-    tol_from_rr: bool  # x0 = None: ||b||^2 is the first step's <r, r>
+    tol_from_rr: bool  # ||b||^2 is the first step's <r, r> (x0 = None, see `start`)
     max_steps: int  # a step with k = max_steps only checks the residual
     space: Any = None  # deflated CG: the recycled (C, U), U^H C = I
     ell: int = 0  # deflated CG: the directions kept for the next space
 
 
 def may_go(rr, gamma, tol2):
-    """`tol2 < rr < inf` and `0 < gamma < inf`: comparisons only (false for NaN)."""
-    return (tol2 < rr) & (rr < jnp.inf) & (0 < gamma) & (gamma < jnp.inf)
+    """`tol2 < rr < inf` and `0 < gamma < inf`: comparisons only (false for NaN).
+    Without a preconditioner `gamma` is `rr` (the same value), and `tol2 >= 0`
+    (a square) makes the first test imply the second: two comparisons, each
+    one instruction a TPU's scalar unit runs per step."""
+    below = (tol2 < rr) & (rr < jnp.inf)
+    return below if gamma is rr else below & (0 < gamma) & (gamma < jnp.inf)
 
 
 def top_of_step(sc: Scalars, ctx: Context, rr, gamma):
@@ -110,7 +114,8 @@ def recurrence(sc: Scalars, gamma, delta, go):
     """Chronopoulos–Gear coefficients from `gamma = <r, M r>`, `delta = <M r, A M r>`:
     `beta = gamma / gamma_prev`, `<p, A p> = delta - beta gamma / alpha_prev`."""
     beta = gamma / sc.gamma  # see `standard_step`
-    curvature = jnp.where(sc.k == 0, delta, delta - beta * gamma / sc.alpha)
+    # the first step (and a restart) has alpha_prev = inf: <p, A p> = delta
+    curvature = delta - beta * gamma / sc.alpha
     go = goes(go, curvature)
     return beta, masked_div(go, gamma, curvature), curvature, go
 
@@ -136,13 +141,7 @@ def next_direction(p, ctx: Context, go, gamma):
 
 def standard_step(st: Standard, ctx: Context) -> Standard:
     """Hestenes–Stiefel: two reductions, `<r, z>` with `<r, r>`, then `<p, A p>`."""
-    with jax.named_scope("solvax.pcg.precond"):
-        z = ctx.M(st.r)
-    with jax.named_scope("solvax.pcg.reduce"):
-        if ctx.identity:
-            rr = gamma = jnp.real(ctx.ip.dot(st.r, st.r))
-        else:
-            gamma, rr = jnp.real(ctx.ip.multi_dot([(st.r, z), (st.r, st.r)]))
+    z, gamma, rr = residual_products(ctx, st.r)
     sc, go = top_of_step(st.sc, ctx, rr, gamma)
     # No guard needed: a step runs only after one that went on (gamma, alpha > 0)
     # or from the initial 1s, and the first step's beta multiplies p = 0.
@@ -151,6 +150,74 @@ def standard_step(st: Standard, ctx: Context) -> Standard:
     q, pq, go, alpha = next_direction(p, ctx, go, gamma)
     return Standard(x=tree.axpy(alpha, p, st.x), r=tree.axpy(-alpha, q, st.r), p=p,
                      sc=advance(sc, go, alpha, rr, gamma, pq))
+
+
+def residual_products(ctx: Context, r):
+    """`(z, gamma, rr) = (M r, <r, z>, <r, r>)`, the products in one reduction."""
+    with jax.named_scope("solvax.pcg.precond"):
+        z = ctx.M(r)
+    with jax.named_scope("solvax.pcg.reduce"):
+        if ctx.identity:
+            rr = jnp.real(ctx.ip.dot(r, r))
+            return z, rr, rr
+        gamma, rr = jnp.real(ctx.ip.multi_dot([(r, z), (r, r)]))
+    return z, gamma, rr
+
+
+def opened(st: Standard, ctx: Context) -> Standard:
+    """The state `closing_step` starts from: `<r, r>` before the loop, the
+    threshold and the history's first entry from it, and whether a first
+    step runs (`sc.go`)."""
+    sc = st.sc
+    with jax.named_scope("solvax.pcg.reduce"):
+        rr = jnp.real(ctx.ip.dot(st.r, st.r))
+    tol2 = contract.squared_threshold(rr, ctx.rtol, ctx.atol) if ctx.tol_from_rr else sc.tol2
+    history = sc.history
+    if history is not None:
+        history = history.at[0].set(reduce.real_sqrt(rr))
+    go = (tol2 < rr) & (rr < jnp.inf) & (0 < ctx.max_steps)
+    return st._replace(sc=sc._replace(tol2=tol2, rr=rr, go=go, history=history))
+
+
+def closing_step(st: Standard, ctx: Context) -> Standard:
+    """`standard_step` as one device runs it (`reduce.reduces_before_loop`):
+    `<r, r>` closes the step, fused with the update that makes `r`, and
+    decides whether another step runs, before its `M r` is applied: a
+    converged solve applies the preconditioner once per step taken, one
+    fewer than `standard_step` (whose last top applies it to test `<r, M r>`
+    with `<r, r>`: one more V-cycle of an MG-CG solve). With `M`, `<r, M r>`
+    is a reduction of its own. The same iterates, history and outcome
+    (`closed`), but in one corner: an `M` found indefinite exactly at the
+    step limit (`MAX_STEPS` here, `INDEFINITE` there)."""
+    sc = st.sc
+    with jax.named_scope("solvax.pcg.precond"):
+        z = ctx.M(st.r)
+    if ctx.identity:
+        gamma, positive = sc.rr, True   # tol2 < rr < inf, tested at the close before
+    else:
+        with jax.named_scope("solvax.pcg.reduce"):
+            gamma = jnp.real(ctx.ip.dot(st.r, z))
+        positive = (0 < gamma) & (gamma < jnp.inf)
+    p = tree.axpy(gamma / sc.gamma, st.p, z)  # sc.gamma: the previous step's (1 at first)
+    q, pq, went, alpha = next_direction(p, ctx, positive, gamma)
+    x, r = tree.axpy(alpha, p, st.x), tree.axpy(-alpha, q, st.r)
+    with jax.named_scope("solvax.pcg.reduce"):
+        rr = jnp.real(ctx.ip.dot(r, r))
+    history = sc.history
+    if history is not None:
+        history = jnp.where(went, history.at[sc.k + 1].set(reduce.real_sqrt(rr)), history)
+    go = went & (sc.tol2 < rr) & (rr < jnp.inf) & (sc.k + 1 < ctx.max_steps)
+    return Standard(x=x, r=r, p=p, sc=sc._replace(go=go, alpha=alpha, rr=rr, gamma=gamma,
+                                                  curvature=pq, k=sc.k + 1, history=history))
+
+
+def closed(sc: Scalars, identity: bool) -> Scalars:
+    """`closing_step`'s last scalars as `standard_step` leaves them for
+    `finished`: there `k` also counts the top of the step that stopped the
+    loop; here a loop that stopped at a step's close (converged, the step
+    limit, non-finite `<r, r>`) ran no such step."""
+    went = goes(True if identity else (0 < sc.gamma) & (sc.gamma < jnp.inf), sc.curvature)
+    return sc._replace(k=sc.k + went.astype(sc.k.dtype))
 
 
 def single_step(st: Single, ctx: Context) -> Single:
@@ -173,13 +240,16 @@ def single_step(st: Single, ctx: Context) -> Single:
 
 def start(problem: Problem, ctx: Context, real, max_steps: int, record_history: bool):
     """`(x, r, scalars)` at the start: from x0 (one setup reduction for ||b||)
-    or from zero (then ||b||^2 is the first step's <r, r>)."""
+    or from zero (then ||b||^2 is the first step's <r, r>, or with
+    `ctx.tol_from_rr` off, a setup reduction of its own)."""
     with jax.named_scope("solvax.pcg.setup"):
         x, r, tol2 = problem.start(ctx.rtol, ctx.atol)
+        if problem.x0 is None and not ctx.tol_from_rr:   # `reduce.reduces_before_loop`
+            tol2 = contract.squared_threshold(jnp.real(ctx.ip.dot(r, r)), ctx.rtol, ctx.atol)
     one = jnp.ones((), real)
     history = problem.history(max_steps + 1, record_history)
-    sc = Scalars(gamma=one, alpha=one, tol2=tol2, k=jnp.int32(0), go=jnp.bool_(True),
-                  rr=one, curvature=one, history=history)
+    sc = Scalars(gamma=one, alpha=jnp.full((), jnp.inf, real), tol2=tol2, k=jnp.int32(0),
+                  go=jnp.bool_(True), rr=one, curvature=one, history=history)
     return x, r, sc
 
 
