@@ -121,8 +121,11 @@ def _run(problem: Problem, *, solver, inner_dtype, inner_rtol: float, max_refine
         keep = (rnorm <= tol) | taken
         new = _State(x=x, r=r, rnorm=rnorm, xnorm=reduce.real_sqrt(xx), k=st.k + 1,
                      status=status, history=history)
-        old = st._replace(k=st.k + 1, status=status, history=history)
-        return jax.tree_util.tree_map(lambda n, o: jnp.where(keep, n, o), new, old)
+        # a step not kept ends the loop, and `r` is not read after it: only
+        # `x` and the scalars are selected (no pass over `r` in b's precision)
+        old = st._replace(r=r, k=st.k + 1, status=status, history=history)
+        return jax.tree_util.tree_map(lambda n, o: n if n is o else jnp.where(keep, n, o),
+                                      new, old)
 
     st = steps.while_loop(ip, b, lambda st: (st.status == RUNNING) & (st.k < max_refinements),
                             body, st)
