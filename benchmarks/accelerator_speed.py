@@ -33,7 +33,8 @@ contender once; medians of the rounds, `problems.interleaved`). Parts (`--only`)
   corrections, beside float32 MG-CG to its own floor (rtol 1e-7, which
   float32 stops short of: STAGNATION) and all-float64 MG-CG (emulated on a
   TPU, at 2048^2 only there, alone, after the pairs of every size: its
-  compile takes minutes); `--sizes` picks the grid sizes;
+  compile takes minutes; `--pairs-only` leaves it out); `--sizes` picks the
+  grid sizes;
   the refinement's time over the float32 solve's (issue 51 target 4: at
   most 2x).
 - `recycling`: 12 backward-Euler steps of a slowly varying
@@ -427,7 +428,7 @@ def recycling(small: bool) -> list[dict]:
     return rows
 
 
-def precision(small: bool, sizes=None) -> list[dict]:
+def precision(small: bool, sizes=None, pairs_only: bool = False) -> list[dict]:
     jax.config.update("jax_enable_x64", True)  # float64 from here on (the last part)
     sizes = sizes or ((32, 64) if small else (2048, 4096))
     b64 = {n: np.random.default_rng(0).standard_normal((n, n)) for n in sizes}
@@ -448,7 +449,8 @@ def precision(small: bool, sizes=None) -> list[dict]:
     # float64 MG-CG alone (emulated on a TPU: its first call compiles for
     # minutes, so it runs last; not at 4096^2 there)
     groups = [(n, pair) for n in sizes] + [
-        (n, alone) for n in sizes if small or n <= 2048 or jax.default_backend() != "tpu"]
+        (n, alone) for n in sizes if not pairs_only
+        and (small or n <= 2048 or jax.default_backend() != "tpu")]
     rows, floors = [], {}
     for n, cases in groups:
         args = {dt: (jnp.ones((n, n), dt), jnp.asarray(b64[n], dt))
@@ -538,6 +540,8 @@ def main():
     p.add_argument("--first-call", default=None, metavar="LABEL",
                    help="only print this multigrid case's first call (what --fresh runs)")
     p.add_argument("--hlo", default=None, help="write each Krylov contender's optimized HLO here")
+    p.add_argument("--pairs-only", action="store_true",
+                   help="the precision part without all-float64 MG-CG (minutes on a TPU)")
     args = p.parse_args()
     if args.first_call:
         k, b, _, _, solve = _mg_case(args.first_call)
@@ -560,7 +564,8 @@ def main():
                        ("multigrid", lambda: multigrid(args.small, bandwidth, args.cases,
                                                       args.fresh)),
                        ("recycling", lambda: recycling(args.small)),
-                       ("precision", lambda: precision(args.small, args.sizes))):  # last: x64 on
+                       # last: x64 on
+                       ("precision", lambda: precision(args.small, args.sizes, args.pairs_only))):
         if wanted(name):
             out[name] = part()   # its rows printed as they came (`emit`)
             write(args.out, meta, out)  # after every part: a run cut short keeps the rest

@@ -56,8 +56,20 @@ def _events(path: str):
                     yield stats.get("hlo_op", event.name).split(" = ")[0], event.duration_ns
 
 
+def _scopes(text: str) -> dict:
+    """Each instruction of optimized HLO `text` -> the innermost `solvax.*`
+    named scope in its metadata's `op_name` (outermost first: `"solvax.refinement
+    > solvax.pcg.matvec"`), or `"(no solvax scope)"`."""
+    found = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name=\"([^\"]*)\"", text, re.M):
+        scopes = re.findall(r"solvax\.[\w.]+", m.group(2))
+        found[m.group(1)] = " > ".join(dict.fromkeys(scopes)) or "(no solvax scope)"
+    return found
+
+
 def profile(name: str, fn, args: tuple, repeat: int, out: str, top: int = 25) -> None:
     compiled = jax.jit(fn).lower(*args).compile()
+    scopes = _scopes(compiled.as_text())
     if any(text in name for text in HLO):
         with open(os.path.join(out, f"{name}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
@@ -78,6 +90,13 @@ def profile(name: str, fn, args: tuple, repeat: int, out: str, top: int = 25) ->
           f"{1e6 * wall:.1f} us wall (untraced, median)", flush=True)
     for op, us in total.most_common(top):
         print(f"  {us:10.2f} us  {count[op]:7.1f} x  {100 * us / max(whole, 1e-9):5.1f}%  {op}")
+    by_scope = collections.Counter()
+    for op, us in total.items():
+        if not CONTROL.match(op):
+            by_scope[scopes.get(op.lstrip("%"), "(not in the HLO)")] += us
+    print("  by named scope:")
+    for scope, us in by_scope.most_common():
+        print(f"  {us:10.2f} us  {100 * us / max(whole, 1e-9):5.1f}%  {scope}")
 
 
 def cases(small: bool):
@@ -114,6 +133,33 @@ def cases(small: bool):
                                            max_restarts=4).x, (b,), 3
     yield f"gmres_jax.scipy_{n}", lambda b: jsl.gmres(convection, b, tol=0.0, atol=0.0, restart=30,
                                                       maxiter=4, solve_method="batched")[0], (b,), 3
+    yield from precision_cases(small)
+
+
+def precision_cases(small: bool):
+    """Float64 from float32 work (issue 51 target 4), last: x64 goes on when
+    the first of them is made. Float32 MG-CG to its floor (rtol 1e-7) and the
+    refinement with float32 MG-CG corrections, set-up included, Poisson."""
+    for n in (32,) if small else (2048, 4096):
+        def made(n=n):
+            jax.config.update("jax_enable_x64", True)
+            b = np.random.default_rng(0).standard_normal((n, n))
+            return jnp.ones((n, n)), jnp.asarray(b)
+
+        def operator(k):
+            return sx.diffusion_operator(k, spacing=1.0 / k.shape[0])
+
+        def floor(k, b):
+            A = operator(k.astype(DTYPE))
+            return sx.pcg(A, b.astype(DTYPE), precond=sx.multigrid(A), rtol=1e-7, atol=0.0).x
+
+        def refinement(k, b):
+            A = operator(k)
+            return sx.iterative_refinement(A, b, precond=sx.multigrid(A, dtype=jnp.float32),
+                                           rtol=1e-10).x
+
+        yield f"precision_float32_floor_{n}", floor, made, 3
+        yield f"precision_refinement_{n}", refinement, made, 3
 
 
 def main():
