@@ -464,7 +464,7 @@ def precision(small: bool, sizes=None, pairs_only: bool = False) -> list[dict]:
         # each contender picks its own dtype's arrays from both tuples
         timing = interleaved({name: lambda a32, a64, f=fn, dt=dt: f(*(
             a32 if dt == jnp.float32 else a64)).x for name, (fn, dt) in cases.items()},
-            args[jnp.float32], args[jnp.float64], rounds=3)
+            args[jnp.float32], args[jnp.float64], rounds=5)
         floors.setdefault(n, timing.get("float32 MG-CG to its floor"))
         for name, (sol, first) in found.items():
             emit(rows, {"case": f"Poisson {n}^2 {name}", "first_s": first,

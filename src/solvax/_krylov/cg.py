@@ -184,7 +184,10 @@ def pcg(
     Differs from the textbook / `jax.scipy.sparse.linalg.cg`:
       1. `converged` is decided on the true residual `||b - A x||` (one extra
          matvec after the loop), never on the recursively updated one.
-      2. With `x0=None`, `||b||` is the first step's `<r, r>`: no setup reduction.
+      2. With `x0=None`, `||b||` is the first step's `<r, r>`: no setup
+         reduction on a mesh (on one device, where a reduction before the
+         loop synchronizes nothing, standard CG tests `<r, r>` at the close
+         of each step and applies `M` only to go on: `reduce.reduces_before_loop`).
       3. Non-positive curvature, a non-positive-definite preconditioner and
          non-finite values stop the loop with their own `Status`.
       4. Differentiable with `jax.grad`/`jax.jvp` by implicit differentiation:
