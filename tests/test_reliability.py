@@ -76,8 +76,17 @@ def _true_relative_residual(A, x, b, scale):
         np.linalg.norm(A64 @ x64) / np.linalg.norm(b64)
 
 
-def _check_truthful(name, problem, dtype, exponent, seed):
-    A, solve = _jitted(name, problem, dtype)
+@functools.cache
+def _one_device_cg(method, problem, dtype):
+    """As `_jitted`, CG of `method` as one device runs it
+    (`reduce.reduces_before_loop`, these tests have 8): traced under the rule
+    at its first call (`_check_truthful`), a function of its own."""
+    A = jnp.asarray(PROBLEMS[problem](dtype))
+    return A, jax.jit(lambda b: sx.pcg(lambda x: A @ x, b, method=method))
+
+
+def _check_truthful(name, problem, dtype, exponent, seed, jitted=_jitted):
+    A, solve = jitted(name, problem, dtype)
     scale = 2.0 ** exponent
     v = rhs(N, seed=seed, dtype=np.complex128 if problem == "complex" else np.float64)
     b = (v * scale).astype(A.dtype)
@@ -118,6 +127,27 @@ def test_converged_means_the_true_residual_meets_the_tolerance(name, problem, dt
     limit = 99 if dtype == np.float32 else 996  # 2^99 ~ 6e29, 2^996 ~ 7e299
     exponent = data.draw(st.integers(-limit, limit), label="log2 scale of b")
     _check_truthful(name, problem, dtype, exponent, seed)
+
+
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(method=st.sampled_from(["standard", "single_reduction", "pipelined"]),
+       problem=st.sampled_from(["spd", "indefinite", "singular", "complex"]),
+       dtype=st.sampled_from(REAL_DTYPES), data=st.data(), seed=st.integers(0, 5))
+def test_one_device_cg_converged_means_the_true_residual_meets_it(method, problem, dtype, data,
+                                                                  seed):
+    """The same property for CG as one device runs it (`reduce.reduces_before_loop`:
+    standard CG tests `<r, r>` at each step's close, the others take `||b||^2`
+    before the loop), at every scale of `b`."""
+    from solvax._core import reduce
+
+    limit = 99 if dtype == np.float32 else 996
+    exponent = data.draw(st.integers(-limit, limit), label="log2 scale of b")
+    rule = reduce.reduces_before_loop
+    reduce.reduces_before_loop = lambda *a, **k: True
+    try:
+        _check_truthful(method, problem, dtype, exponent, seed, jitted=_one_device_cg)
+    finally:
+        reduce.reduces_before_loop = rule
 
 
 @settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
