@@ -223,15 +223,20 @@ def test_accelerator_speed_picks_cases_and_times_a_fresh_first_call(tmp_path):
 
 def test_device_profile_and_compile_probe_small(tmp_path):
     """The chip's profiling scripts on this CPU: each profiled case reports
-    its kernels' time and launches per call, writes the optimized HLO it was
-    asked for, and the compile probe times each program it names."""
+    its kernels' time and launches per call and by named scope, writes the
+    optimized HLO it was asked for, and the compile probe times each program
+    it names."""
     env = dict(os.environ, PROFILE_HLO="vcycle")
     done = subprocess.run([sys.executable, str(BENCH / "device_profile.py"), "--small",
-                           "--only", "vcycle", "pcg_standard", "--out", str(tmp_path)],
+                           "--only", "vcycle", "pcg_standard", "precision_refinement",
+                           "--out", str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     heads = [line.split() for line in done.stdout.splitlines() if line.startswith("## ")]
-    assert [h[1] for h in heads] == ["vcycle_32:", "pcg_standard_32:"]
+    assert [h[1] for h in heads] == ["vcycle_32:", "pcg_standard_32:",
+                                     "precision_refinement_32:"]
+    scopes = done.stdout.split("## precision_refinement_32:")[1]
+    assert "by named scope:" in scopes and "solvax.refinement.inner" in scopes
     # "## name: T us of device kernels per call, L launches, W us wall (...)"
     assert all(float(h[2]) > 0 and int(h[9]) > 0 and float(h[11]) > 0 for h in heads)
     assert [p.name for p in tmp_path.iterdir()] == ["vcycle_32.hlo.txt"]
