@@ -141,7 +141,13 @@ def next_direction(p, ctx: Context, go, gamma):
 
 def standard_step(st: Standard, ctx: Context) -> Standard:
     """Hestenes–Stiefel: two reductions, `<r, z>` with `<r, r>`, then `<p, A p>`."""
-    z, gamma, rr = residual_products(ctx, st.r)
+    with jax.named_scope("solvax.pcg.precond"):
+        z = ctx.M(st.r)
+    with jax.named_scope("solvax.pcg.reduce"):
+        if ctx.identity:
+            rr = gamma = jnp.real(ctx.ip.dot(st.r, st.r))
+        else:
+            gamma, rr = jnp.real(ctx.ip.multi_dot([(st.r, z), (st.r, st.r)]))
     sc, go = top_of_step(st.sc, ctx, rr, gamma)
     # No guard needed: a step runs only after one that went on (gamma, alpha > 0)
     # or from the initial 1s, and the first step's beta multiplies p = 0.
@@ -152,31 +158,14 @@ def standard_step(st: Standard, ctx: Context) -> Standard:
                      sc=advance(sc, go, alpha, rr, gamma, pq))
 
 
-def residual_products(ctx: Context, r):
-    """`(z, gamma, rr) = (M r, <r, z>, <r, r>)`, the products in one reduction."""
-    with jax.named_scope("solvax.pcg.precond"):
-        z = ctx.M(r)
-    with jax.named_scope("solvax.pcg.reduce"):
-        if ctx.identity:
-            rr = jnp.real(ctx.ip.dot(r, r))
-            return z, rr, rr
-        gamma, rr = jnp.real(ctx.ip.multi_dot([(r, z), (r, r)]))
-    return z, gamma, rr
-
-
 def opened(st: Standard, ctx: Context) -> Standard:
     """The state `closing_step` starts from: `<r, r>` before the loop, the
     threshold and the history's first entry from it, and whether a first
     step runs (`sc.go`)."""
-    sc = st.sc
     with jax.named_scope("solvax.pcg.reduce"):
         rr = jnp.real(ctx.ip.dot(st.r, st.r))
-    tol2 = contract.squared_threshold(rr, ctx.rtol, ctx.atol) if ctx.tol_from_rr else sc.tol2
-    history = sc.history
-    if history is not None:
-        history = history.at[0].set(reduce.real_sqrt(rr))
-    go = (tol2 < rr) & (rr < jnp.inf) & (0 < ctx.max_steps)
-    return st._replace(sc=sc._replace(tol2=tol2, rr=rr, go=go, history=history))
+    sc, go = top_of_step(st.sc, ctx, rr, rr)
+    return st._replace(sc=sc._replace(rr=rr, go=go))
 
 
 def closing_step(st: Standard, ctx: Context) -> Standard:
@@ -203,12 +192,13 @@ def closing_step(st: Standard, ctx: Context) -> Standard:
     x, r = tree.axpy(alpha, p, st.x), tree.axpy(-alpha, q, st.r)
     with jax.named_scope("solvax.pcg.reduce"):
         rr = jnp.real(ctx.ip.dot(r, r))
-    history = sc.history
+    # the next step's top (its threshold set before the loop)
+    top, go = top_of_step(sc._replace(k=sc.k + 1), ctx._replace(tol_from_rr=False), rr, rr)
+    history = top.history
     if history is not None:
-        history = jnp.where(went, history.at[sc.k + 1].set(reduce.real_sqrt(rr)), history)
-    go = went & (sc.tol2 < rr) & (rr < jnp.inf) & (sc.k + 1 < ctx.max_steps)
-    return Standard(x=x, r=r, p=p, sc=sc._replace(go=go, alpha=alpha, rr=rr, gamma=gamma,
-                                                  curvature=pq, k=sc.k + 1, history=history))
+        history = jnp.where(went, history, sc.history)
+    return Standard(x=x, r=r, p=p, sc=top._replace(go=went & go, alpha=alpha, rr=rr,
+                                                   gamma=gamma, curvature=pq, history=history))
 
 
 def closed(sc: Scalars, identity: bool) -> Scalars:
