@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.sparse.linalg as jsl
 import numpy as np
-from accelerator_speed import DTYPE, FAR, convection
+from accelerator_speed import DTYPE, FAR, convection, mg_cg, refinement
 from jax.profiler import ProfileData
 from problems import median_time, poisson
 
@@ -139,27 +139,18 @@ def cases(small: bool):
 def precision_cases(small: bool):
     """Float64 from float32 work (issue 51 target 4), last: x64 goes on when
     the first of them is made. Float32 MG-CG to its floor (rtol 1e-7) and the
-    refinement with float32 MG-CG corrections, set-up included, Poisson."""
+    refinement with float32 MG-CG corrections, set-up included, Poisson
+    (`accelerator_speed.mg_cg`, `refinement`)."""
     for n in (32,) if small else (2048, 4096):
-        def made(n=n):
+        def made(dtype, n=n):
             jax.config.update("jax_enable_x64", True)
             b = np.random.default_rng(0).standard_normal((n, n))
-            return jnp.ones((n, n)), jnp.asarray(b)
+            return jnp.ones((n, n), dtype), jnp.asarray(b, dtype)
 
-        def operator(k):
-            return sx.diffusion_operator(k, spacing=1.0 / k.shape[0])
-
-        def floor(k, b):
-            A = operator(k.astype(DTYPE))
-            return sx.pcg(A, b.astype(DTYPE), precond=sx.multigrid(A), rtol=1e-7, atol=0.0).x
-
-        def refinement(k, b):
-            A = operator(k)
-            return sx.iterative_refinement(A, b, precond=sx.multigrid(A, dtype=jnp.float32),
-                                           rtol=1e-10).x
-
-        yield f"precision_float32_floor_{n}", floor, made, 3
-        yield f"precision_refinement_{n}", refinement, made, 3
+        yield (f"precision_float32_floor_{n}", lambda k, b: mg_cg(k, b, 1e-7).x,
+               lambda made=made: made(DTYPE), 3)
+        yield (f"precision_refinement_{n}", lambda k, b: refinement(k, b).x,
+               lambda made=made: made(jnp.float64), 3)
 
 
 def main():
