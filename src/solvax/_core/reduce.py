@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import checks, dense, tree
-from .closure import close
+from .closure import axes_communicated, close
 from .dense import PRECISION
 
 PyTree = Any
@@ -459,42 +459,6 @@ def resolve(inner_product=None, axis_name=None) -> Reduction:
         "`inner_product` must be None, a `solvax.InnerProduct` or a function "
         f"`(x, y) -> scalar`; got {type(inner_product).__name__}."
     )
-
-
-#: Primitives that name mesh axes without communicating.
-_LOCAL_AXIS_PRIMITIVES = {"pvary", "pcast", "axis_index", "pbroadcast"}
-
-
-def axes_communicated(jaxpr) -> set:
-    """The mesh axes a jaxpr's collectives (`ppermute`, `psum`, ...) run over,
-    free in it: a collective over an axis that a `shard_map` inside the jaxpr
-    binds is that `shard_map`'s own business (a self-contained halo-exchange
-    operator called from plain `jit`), not a coupling of the caller's shards."""
-    axes = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name not in _LOCAL_AXIS_PRIMITIVES:
-            for key in ("axis_name", "axes"):
-                names = eqn.params.get(key, ())
-                names = names if isinstance(names, tuple | list) else (names,)
-                axes.update(n for n in names if isinstance(n, str))
-        inner = set()
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    inner |= axes_communicated(sub)
-        axes |= inner - _axes_bound_by(eqn)
-    return axes
-
-
-def _axes_bound_by(eqn) -> set:
-    """The mesh axes an equation binds for its body: a `shard_map`'s manual axes
-    (`newly_manual_axes` on current JAX; the mesh's axes less `auto` on 0.4)."""
-    if eqn.primitive.name != "shard_map":
-        return set()
-    if "newly_manual_axes" in eqn.params:
-        return set(eqn.params["newly_manual_axes"])
-    return set(eqn.params["mesh"].axis_names) - set(eqn.params.get("auto", ()))
 
 
 __all__ = ["InnerProduct", "Reduction", "resolve", "real_sqrt", "stacks_products"]

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from . import checks, linearity, reduce
-from .closure import Closed, close
+from .closure import Closed, axes_communicated, close
 from .contract import Problem, as_option
 
 
@@ -94,7 +94,7 @@ def check_reduced_over(name: str, op, problem: Problem) -> None:
     that axis too: otherwise every shard decides convergence on its own piece,
     the shards' loops run different numbers of steps and the operator's
     collectives never match (a hang)."""
-    communicated = reduce.axes_communicated(jax.make_jaxpr(op)(problem.b).jaxpr)
+    communicated = axes_communicated(jax.make_jaxpr(op)(problem.b).jaxpr)
     missing = communicated - set(problem.ip.reduced_axes())
     if not missing:
         return
