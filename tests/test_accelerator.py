@@ -21,6 +21,9 @@ and structured solve for what an accelerator runs differently.
 - On one chip standard CG closes each step with its reduction, fused with
   the residual's update (`reduce.reduces_before_loop`); on a mesh it stays
   at the next step's top (the pinned counts): both forms, same outcome.
+- On one chip GMRES's CGS2 steps read the basis rows in use only
+  (`reduce.reads_rows_in_use`, one `lax.switch` a step, still one
+  conditional under `vmap`); on a mesh the whole basis: same outcome.
 """
 
 import contextlib
@@ -469,3 +472,64 @@ def test_cg_reducing_before_its_loop_is_the_same_solve(monkeypatch):
     assert converged and calls == steps + 1
     assert one["precond"] == (True, steps, steps)
     assert _reduce.reduces_before_loop(1) and not _reduce.reduces_before_loop(8)
+
+
+def _gmres_cases():
+    """`(name, solve)`: GMRES with CGS2 on every path through `arnoldi.on_rows`."""
+    n = 12
+    rng = np.random.default_rng(3)
+    A = sx.diffusion_operator(jnp.asarray(1 + rng.random((n, n))), spacing=1.0 / n)
+    b = jnp.asarray(rng.standard_normal((n, n)))
+
+    def conv(v):
+        return A(v) + 40.0 * (v - jnp.roll(v, 1, 0))
+
+    def singular(v):
+        return conv(v).at[0].set(0.0)
+
+    cgs2 = functools.partial(sx.gmres, orthogonalization="cgs2")
+    return [
+        ("plain", lambda: cgs2(conv, b, restart=20, record_history=True)),
+        ("preconditioned", lambda: cgs2(conv, b, restart=7, precond=lambda v: v / A.diagonal(),
+                                        record_history=True)),
+        ("complex", lambda: cgs2(conv, b * (1 + 0.5j), restart=9)),
+        ("float32", lambda: cgs2(lambda v: conv(v).astype(v.dtype), b.astype(jnp.float32),
+                                 restart=10)),
+        ("singular", lambda: cgs2(singular, b, restart=10)),
+        ("vmap", lambda: jax.vmap(lambda s: cgs2(conv, s * b, restart=10, rtol=1e-9))(
+            jnp.asarray([1.0, 1e-3, 0.0]))),
+    ]
+
+
+def test_gmres_reading_the_rows_in_use_is_the_same_solve(monkeypatch):
+    """GMRES with CGS2 as one chip runs it (`reduce.reads_rows_in_use`: each
+    step's projections and combinations read the basis rows in use only,
+    rounded up to a quarter, one `lax.switch` branch each) and as a mesh
+    runs it (every row): the same iterations, status and history, `x` to
+    rounding; a batch keeps one conditional (its index the batch's most
+    rows, not a select over every branch)."""
+    from solvax._core import reduce as _reduce
+
+    found = {}
+    for rows_in_use in (False, True):
+        monkeypatch.setattr(_reduce, "reads_rows_in_use", lambda *a, _v=rows_in_use, **k: _v)
+        for name, solve in _gmres_cases():   # new closures: traced under this value
+            jaxpr = jax.make_jaxpr(solve)()
+            found[rows_in_use, name] = jax.jit(solve)(), count_primitives(jaxpr, "cond")
+        monkeypatch.undo()
+    for name, _ in _gmres_cases():
+        (whole, conds), (rows, row_conds) = found[False, name], found[True, name]
+        # a batched switch index would have made every branch a select
+        assert conds == 0 and row_conds == 1, name
+        np.testing.assert_array_equal(rows.iterations, whole.iterations, err_msg=name)
+        np.testing.assert_array_equal(rows.status, whole.status, err_msg=name)
+        if whole.history is not None:
+            # rounding: at most ~1e-15 of the residual the cycle started from
+            np.testing.assert_allclose(rows.history, whole.history, rtol=1e-8, equal_nan=True,
+                                       atol=1e-13 * float(whole.history[0]), err_msg=name)
+        tol = 1e-5 if name == "float32" else 1e-12
+        np.testing.assert_allclose(rows.x, whole.x, rtol=tol, atol=tol * float(
+            jnp.max(jnp.abs(whole.x))), err_msg=name)
+    assert int(found[False, "singular"][0].status) != int(sx.Status.CONVERGED)
+    assert _reduce.reads_rows_in_use("tpu", 1)
+    assert not _reduce.reads_rows_in_use("tpu", 8) and not _reduce.reads_rows_in_use("cpu", 1)

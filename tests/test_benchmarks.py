@@ -242,6 +242,12 @@ def test_device_profile_and_compile_probe_small(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["vcycle_32.hlo.txt"]
     out = run("probe_refinement_compile.py", "32", "resid64", "ref_mg_whole")
     assert [line.split()[0] for line in out.splitlines()] == ["resid64", "ref_mg_whole"]
+    run("probe_gmres_rows.py", "32", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "gmres_rows.json").read_text())["32"]
+    assert set(rows) == {"one_sync every row", "one_sync rows in use", "cgs2 every row",
+                         "cgs2 rows in use", "jax.scipy"}
+    assert all(r["ms_per_matvec"] > 0 and r["copied_slices"] >= 0 for r in rows.values())
+    assert rows["jax.scipy"]["ratio"] == 1.0
 
 
 def test_plot_results_draws_every_figure_from_the_saved_results(tmp_path):

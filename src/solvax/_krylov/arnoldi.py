@@ -115,6 +115,49 @@ def _put(x, i, value, axis=0):
                                            **_NO_WRAP)
 
 
+#: Static sizes a step's basis reads are rounded up to (`on_rows`).
+ROW_PARTS = 4
+
+
+@jax.custom_batching.custom_vmap
+def _uniform(index):
+    """`index`, the same for every member of a batch: under `vmap` its
+    largest value (so a `lax.switch` on it stays one conditional, where a
+    batched index would compute every branch)."""
+    return index
+
+
+@_uniform.def_vmap
+def _uniform_vmap(axis_size, in_batched, index):
+    return (jnp.max(index) if in_batched[0] else index), False
+
+
+def _rows(basis, size: int):
+    """The first `size` rows of a basis (a static slice)."""
+    return jax.tree_util.tree_map(lambda leaf: leaf[:size], basis)
+
+
+def on_rows(fn, used, total: int):
+    """`fn(size)`: a step's work on the first `size` rows of a basis of
+    `total` rows, for the least of `ROW_PARTS` static sizes that covers
+    the `used` rows in use (traced; under `vmap` the batch's most), one
+    `lax.switch` branch per size, where `reduce.reads_rows_in_use` (one
+    TPU); else `fn(total)`. `fn` must give the same shapes for every
+    size and take rows past `used` as contributing nothing: reading more
+    rows than needed is the mesh's form (and a batch's), not a different
+    answer."""
+    sizes = sorted({-(-total * i // ROW_PARTS) for i in range(1, ROW_PARTS + 1)})
+    if len(sizes) == 1 or not reduce.reads_rows_in_use():
+        return fn(total)
+    index = sum((used > size).astype(jnp.int32) for size in sizes[:-1])
+    return lax.switch(_uniform(index), [functools.partial(fn, size) for size in sizes])
+
+
+def _padded_rows(p, total: int):
+    """Projections `p` on a basis' first rows, zero-padded to `total` rows."""
+    return jnp.pad(p, (0, total - p.shape[0]))
+
+
 def finalize_column(est: Estimate, col, column: Column, scale, tol):
     """Take the final Hessenberg column `col` into the residual estimate and
     decide whether the cycle goes on.
@@ -197,17 +240,23 @@ def _cgs2_step(cy: _Cgs2Cycle, ctx: _Context) -> _Cgs2Cycle:
     """Extend the basis by one vector with CGS2: two reductions. The first pass
     is a plain projection; the second returns the squared norm with it, and the
     new norm follows by Pythagoras (the correction is already O(eps), so there
-    is no cancellation)."""
+    is no cancellation). Both passes read rows `0..j` of the basis only, where
+    `on_rows` says so."""
     j = cy.est.j
     m = cy.H.shape[1]
     z, w = _apply(ctx, tree.basis_get(cy.V, j))
     active = _indices(m + 1) <= j
+
+    def orthogonalize(size, w):
+        V = _rows(cy.V, size)
+        h1 = jnp.where(active, _padded_rows(ctx.ip.project(V, w), m + 1), 0)
+        w = tree.sub(w, tree.basis_combine(V, h1[:size]))
+        h2, ww = ctx.ip.project_with_norm(V, w)
+        h2 = jnp.where(active, _padded_rows(h2, m + 1), 0)
+        return h1, h2, ww, tree.sub(w, tree.basis_combine(V, h2[:size]))
+
     with jax.named_scope("solvax.gmres.orthogonalize"):
-        h1 = jnp.where(active, ctx.ip.project(cy.V, w), 0)
-        w = tree.sub(w, tree.basis_combine(cy.V, h1))
-        h2, ww = ctx.ip.project_with_norm(cy.V, w)
-        h2 = jnp.where(active, h2, 0)
-        w = tree.sub(w, tree.basis_combine(cy.V, h2))
+        h1, h2, ww, w = on_rows(lambda size: orthogonalize(size, w), j + 1, m + 1)
     h = h1 + h2
     hnext = reduce.real_sqrt(jnp.real(ww) - jnp.sum(jnp.abs(h2) ** 2))
     # Columns of H represent A M on unit vectors: ||A M|| >= ||A z_j|| = ||(h, hnext)||.
