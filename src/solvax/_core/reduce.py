@@ -11,7 +11,7 @@ sums (one device; a GPU or TPU mesh, where XLA's combiner makes them one
 tuple all-reduce, one collective there). Separate sums of an emulated dtype
 (float64 on a TPU) run in sequence by `sums_in_sequence`; a loop reduces
 before its first step by `reduces_before_loop` (one device), and GMRES's
-CGS2 steps read the basis rows in use only by `reads_rows_in_use` (one TPU).
+steps read the basis rows in use only by `reads_rows_in_use` (one TPU).
 
 Every kind of inner product derives from `Reduction`, whose only primitives
 are the batched reductions `multi_dot`, `project_many` and `gram`; `project`,
@@ -226,20 +226,20 @@ def reduces_before_loop(devices: int | None = None) -> bool:
 
 
 def reads_rows_in_use(backend: str | None = None, devices: int | None = None) -> bool:
-    """The rule for GMRES's CGS2 Arnoldi steps (`orthogonalization="cgs2"`):
-    on one TPU (`backend`, `devices`: JAX's default backend and its device
-    count unless given) each step's projections and combinations read the
-    basis rows in use only, rounded up to a quarter of the basis, one
-    conditional branch per quarter (`arnoldi.on_rows`), where a step
-    otherwise reads every row. GMRES(30) with CGS2 on a TPU v5e, float32,
-    per matvec against jax.scipy's gmres: 1.15 / 1.19 / 1.26x at 1024^2 /
-    2048^2 / 4096^2, against 1.87 / 1.90 / 1.82x reading every row
-    (`benchmarks/results/tpu.md`). Not one-sync's steps yet: XLA:TPU copied
-    the sliced block into memory before their combination (two
-    coefficient vectors at once; 1.16x against 1.08x at 2048^2). Not on a
-    mesh (each branch would hold the step's all-reduce; the pinned count is
-    one per reduction) nor on a CPU (XLA:CPU copies a sliced GEMV or GEMM
-    operand before it). The same arithmetic either way."""
+    """The rule for GMRES's Arnoldi steps: on one TPU (`backend`,
+    `devices`: JAX's default backend and its device count unless given)
+    each step's projections and combinations read the basis rows in use
+    only, rounded up to a quarter of the basis, one conditional branch per
+    quarter (`arnoldi.on_rows`), where a step otherwise reads every row.
+    GMRES(30) on a TPU v5e, float32, per matvec against jax.scipy's gmres
+    at 1024^2 / 2048^2 / 4096^2: one-sync 0.68 / 1.07 / 1.05x (every row:
+    1.01 / 1.08 / 1.12x), CGS2 1.15 / 1.19 / 1.26x (every row: 1.87 / 1.90
+    / 1.82x) (`benchmarks/results/tpu.md`). There a combination sums one
+    coefficient vector at a time: XLA:TPU copied the sliced block into
+    memory before a sum of two at once (one-sync 1.16x at 2048^2). Not on
+    a mesh (each branch would hold the step's all-reduce; the pinned count
+    is one per reduction) nor on a CPU (XLA:CPU copies a sliced GEMV or
+    GEMM operand before it). The same arithmetic either way."""
     backend = jax.default_backend() if backend is None else backend
     devices = jax.device_count(backend) if devices is None else devices
     return devices == 1 and backend == "tpu"

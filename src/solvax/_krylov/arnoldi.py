@@ -132,8 +132,8 @@ def _uniform_vmap(axis_size, in_batched, index):
     return (jnp.max(index) if in_batched[0] else index), False
 
 
-def _rows(basis, size: int):
-    """The first `size` rows of a basis (a static slice)."""
+def _rows(basis, size: int | None):
+    """The first `size` rows of a basis (a static slice; None: all of them)."""
     return jax.tree_util.tree_map(lambda leaf: leaf[:size], basis)
 
 
@@ -142,20 +142,22 @@ def on_rows(fn, used, total: int):
     `total` rows, for the least of `ROW_PARTS` static sizes that covers
     the `used` rows in use (traced; under `vmap` the batch's most), one
     `lax.switch` branch per size, where `reduce.reads_rows_in_use` (one
-    TPU); else `fn(total)`. `fn` must give the same shapes for every
-    size and take rows past `used` as contributing nothing: reading more
-    rows than needed is the mesh's form (and a batch's), not a different
-    answer."""
+    TPU); else `fn(None)`: every row, in the form a mesh and a CPU run.
+    `fn` must give the same shapes for every size and take rows past
+    `used` as contributing nothing: reading more rows than needed is the
+    mesh's form (and a batch's), not a different answer."""
     sizes = sorted({-(-total * i // ROW_PARTS) for i in range(1, ROW_PARTS + 1)})
     if len(sizes) == 1 or not reduce.reads_rows_in_use():
-        return fn(total)
+        return fn(None)
     index = sum((used > size).astype(jnp.int32) for size in sizes[:-1])
     return lax.switch(_uniform(index), [functools.partial(fn, size) for size in sizes])
 
 
 def _padded_rows(p, total: int):
-    """Projections `p` on a basis' first rows, zero-padded to `total` rows."""
-    return jnp.pad(p, (0, total - p.shape[0]))
+    """Projections `p` on a basis' first rows (the last axis), zero-padded to `total` rows."""
+    if p.shape[-1] == total:
+        return p
+    return jnp.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, total - p.shape[-1])])
 
 
 def finalize_column(est: Estimate, col, column: Column, scale, tol):
@@ -322,14 +324,17 @@ def _one_sync_step(cy: _OneSyncCycle, ctx: _Context) -> _OneSyncCycle:
     projections of the new column follow from the reduced values without
     touching `w` again: `h = (Q^H w - H c) / nu`, and the next pending vector
     is `u' = (w - Q (Q^H w)) / nu`. Column `k - 1` is final one step later, so
-    the residual estimate lags one matvec behind CGS2's.
+    the residual estimate lags one matvec behind CGS2's. The products read
+    rows `0..k` of the basis only, where `on_rows` says so.
     """
     k = cy.k
     # u is kept apart from row k of V: the updates of rows k and k + 1 read it from
     # there, so XLA writes them in place (sliced from V, each step copied the basis).
     mu, w = _apply(ctx, cy.u)
+    rows = cy.H.shape[0]  # of V; rows 0..k in use (row k is u)
     with jax.named_scope("solvax.gmres.orthogonalize"):
-        projections, _ = ctx.ip.project_many(cy.V, [cy.u, w])
+        projections = on_rows(lambda size: _padded_rows(
+            ctx.ip.project_many(_rows(cy.V, size), [cy.u, w])[0], rows), k + 1, rows)
     a, bw = projections
     finite = jnp.all(jnp.isfinite(projections))
     c, nu, finished_col, column, anorm, est, go = _finish_pending(cy, ctx, a, finite)
@@ -339,10 +344,15 @@ def _one_sync_step(cy: _OneSyncCycle, ctx: _Context) -> _OneSyncCycle:
     # q_k, z_k and the first pass of the next direction. Both combinations read
     # the basis before row k changes, in one pass: Q (Q^H w) = V qw_old + qw[k] q,
     # where qw_old has no entry at row k (still u).
-    qw_old = jnp.where(_indices(cy.H.shape[0]) < k, bw, 0)
+    qw_old = jnp.where(_indices(rows) < k, bw, 0)
     nu_h = tree.like(nu, bw)  # nu in H's dtype
     qk_w = (_get(bw, k) - jnp.sum(jnp.conj(c) * bw)) / nu_h  # <q_k, w>
-    Vc, Vqw = tree.basis_combine_many(cy.V, [c, qw_old])
+    # c and qw_old are zero from row k on. On the rows in use, one sum per
+    # coefficient vector: XLA:TPU copied a sliced block into memory before a
+    # sum of both at once (`reduce.reads_rows_in_use`).
+    Vc, Vqw = on_rows(lambda size: tree.basis_combine_many(cy.V, [c, qw_old]) if size is None
+                      else [tree.basis_combine(_rows(cy.V, size), v[:size]) for v in (c, qw_old)],
+                      k, rows)
     q = tree.scale(1.0 / nu, tree.sub(cy.u, Vc))
     u_next = tree.scale(1.0 / nu, tree.sub(tree.sub(w, Vqw), tree.scale(qk_w, q)))
     Z, E = cy.Z, cy.E
@@ -352,8 +362,9 @@ def _one_sync_step(cy: _OneSyncCycle, ctx: _Context) -> _OneSyncCycle:
         offset = E.shape[0]
         E = _put(E, k, jnp.where(go, (c[:offset] - mm(E, c[: E.shape[1]])) / nu_h, 0), axis=1)
     if Z is not None:
-        Z = tree.basis_fill(Z, k, [tree.scale(1.0 / nu, tree.sub(
-            mu, tree.basis_combine(Z, c[: cy.H.shape[0] - 1])))], go)
+        Zc = on_rows(lambda size: tree.basis_combine(_rows(Z, size), c[: size or rows - 1]),
+                     k, rows - 1)
+        Z = tree.basis_fill(Z, k, [tree.scale(1.0 / nu, tree.sub(mu, Zc))], go)
     # H[:, :k] c[:k], the finished column k - 1 included: the stored columns
     # 1..k (k still unfinished there) times c (shifted with them), plus the
     # finishing update times c[k - 1] (at k = 0, c = 0 wherever the index lands).
