@@ -160,6 +160,20 @@ def _padded_rows(p, total: int):
     return jnp.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, total - p.shape[-1])])
 
 
+def _combined(basis, coeffs: list, used) -> list:
+    """`[basis^T c for c in coeffs]`, each `c` (as long as the basis) zero
+    from row `used` on: on the rows in use where `on_rows` says so, one sum
+    per coefficient vector there (XLA:TPU copied a sliced block into memory
+    before a sum of two at once: `reduce.reads_rows_in_use`), else one pass
+    over every row for all of them (`tree.basis_combine_many`)."""
+    def combine(size):
+        if size is None:
+            return tree.basis_combine_many(basis, coeffs)
+        return [tree.basis_combine(_rows(basis, size), c[:size]) for c in coeffs]
+
+    return on_rows(combine, used, coeffs[0].shape[0])
+
+
 def finalize_column(est: Estimate, col, column: Column, scale, tol):
     """Take the final Hessenberg column `col` into the residual estimate and
     decide whether the cycle goes on.
@@ -347,12 +361,7 @@ def _one_sync_step(cy: _OneSyncCycle, ctx: _Context) -> _OneSyncCycle:
     qw_old = jnp.where(_indices(rows) < k, bw, 0)
     nu_h = tree.like(nu, bw)  # nu in H's dtype
     qk_w = (_get(bw, k) - jnp.sum(jnp.conj(c) * bw)) / nu_h  # <q_k, w>
-    # c and qw_old are zero from row k on. On the rows in use, one sum per
-    # coefficient vector: XLA:TPU copied a sliced block into memory before a
-    # sum of both at once (`reduce.reads_rows_in_use`).
-    Vc, Vqw = on_rows(lambda size: tree.basis_combine_many(cy.V, [c, qw_old]) if size is None
-                      else [tree.basis_combine(_rows(cy.V, size), v[:size]) for v in (c, qw_old)],
-                      k, rows)
+    Vc, Vqw = _combined(cy.V, [c, qw_old], k)  # both zero from row k on
     q = tree.scale(1.0 / nu, tree.sub(cy.u, Vc))
     u_next = tree.scale(1.0 / nu, tree.sub(tree.sub(w, Vqw), tree.scale(qk_w, q)))
     Z, E = cy.Z, cy.E
@@ -362,8 +371,7 @@ def _one_sync_step(cy: _OneSyncCycle, ctx: _Context) -> _OneSyncCycle:
         offset = E.shape[0]
         E = _put(E, k, jnp.where(go, (c[:offset] - mm(E, c[: E.shape[1]])) / nu_h, 0), axis=1)
     if Z is not None:
-        Zc = on_rows(lambda size: tree.basis_combine(_rows(Z, size), c[: size or rows - 1]),
-                     k, rows - 1)
+        Zc, = _combined(Z, [c[: rows - 1]], k)
         Z = tree.basis_fill(Z, k, [tree.scale(1.0 / nu, tree.sub(mu, Zc))], go)
     # H[:, :k] c[:k], the finished column k - 1 included: the stored columns
     # 1..k (k still unfinished there) times c (shifted with them), plus the
