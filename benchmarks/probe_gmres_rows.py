@@ -5,9 +5,10 @@ convection-diffusion, float32, a fixed 300 matvecs, 5 interleaved rounds).
 `python benchmarks/probe_gmres_rows.py [--out DIR] N ...` prints, per grid
 size and form, the milliseconds per matvec and the ratio to jax.scipy's,
 and the sliced basis blocks XLA copied into memory instead of fusing into
-the sums that read them (standalone `slice` instructions of three or more
-dimensions and two or more rows in the optimized HLO: on a TPU one-sync's two-vector
-combination had them, CGS2's one-vector ones did not). `DIR/gmres_rows.json`
+the sums that read them (slices of two or more basis rows outside fused
+computations in the optimized HLO: on a TPU a sum of two coefficient
+vectors at once had them, the form one-sync no longer takes; sums of one
+vector each, as both orthogonalizations now run, did not). `DIR/gmres_rows.json`
 holds the numbers. On a CPU the rule is off by default and XLA:CPU copies
 every sliced GEMV operand (see `reduce.reads_rows_in_use`)."""
 import argparse
