@@ -9,7 +9,11 @@ the sums that read them (slices of two or more basis rows outside fused
 computations in the optimized HLO: on a TPU a sum of two coefficient
 vectors at once had them, the form one-sync no longer takes; sums of one
 vector each, as both orthogonalizations now run, did not). `DIR/gmres_rows.json`
-holds the numbers. On a CPU the rule is off by default and XLA:CPU copies
+holds the numbers. The form `one_sync rows in use, one reduce` (not in the
+library) sums one-sync's coefficient vectors on the rows in use as the two
+outputs of one variadic `lax.reduce` per leaf, whose operands both multiply
+the sliced block: one multi-output reduction that should read the rows once
+where two sums read them twice. On a CPU the rule is off by default and XLA:CPU copies
 every sliced GEMV operand (see `reduce.reads_rows_in_use`)."""
 import argparse
 import json
@@ -24,7 +28,8 @@ import numpy as np
 from accelerator_speed import DTYPE, FAR, convection
 
 import solvax as sx
-from solvax._core import reduce
+from solvax._core import reduce, tree
+from solvax._krylov import arnoldi
 
 STEPS, RESTART, ROUNDS = 300, 30, 5
 #: a slice of two or more basis rows
@@ -44,18 +49,43 @@ def copied_blocks(text: str) -> int:
     return count
 
 
+def one_reduce(basis, coeffs: list, used) -> list:
+    """`arnoldi._combined` with the rows in use summed by one variadic reduce
+    per leaf (every coefficient vector an operand of it)."""
+    def combine(size):
+        if size is None:
+            return tree.basis_combine_many(basis, coeffs)
+
+        def leafwise(leaf):
+            leaf = leaf[:size]
+            shape = (size,) + (1,) * (leaf.ndim - 1)
+            ops = tuple(tree.like(c[:size], leaf).reshape(shape) * leaf for c in coeffs)
+            return jax.lax.reduce(ops, tuple(jnp.zeros((), o.dtype) for o in ops),
+                                  lambda a, b: tuple(x + y for x, y in zip(a, b)), (0,))
+
+        sums = [leafwise(leaf) for leaf in jax.tree_util.tree_leaves(basis)]
+        structure = jax.tree_util.tree_structure(basis)
+        return [jax.tree_util.tree_unflatten(structure, [s[i] for s in sums])
+                for i in range(len(coeffs))]
+
+    return arnoldi.on_rows(combine, used, coeffs[0].shape[0])
+
+
 def forms():
-    """`(name, orthogonalization, rows_in_use)` of each solvax contender."""
+    """`(name, orthogonalization, rows_in_use, combination)` of each solvax
+    contender (`combination`: None, the library's, or `one_reduce`)."""
     for orth in ("one_sync", "cgs2"):
         for rows in (False, True):
-            yield f"{orth} {'rows in use' if rows else 'every row'}", orth, rows
+            yield f"{orth} {'rows in use' if rows else 'every row'}", orth, rows, None
+    yield "one_sync rows in use, one reduce", "one_sync", True, one_reduce
 
 
 def compiled(n: int, b):
     out, copied = {}, {}
-    for name, orth, rows in forms():
-        rule = reduce.reads_rows_in_use
+    for name, orth, rows, combination in forms():
+        rule, combined = reduce.reads_rows_in_use, arnoldi._combined
         reduce.reads_rows_in_use = lambda *a, _r=rows, **k: _r
+        arnoldi._combined = combination or combined
         try:   # a new closure: traced under this value of the rule
             fn = jax.jit(lambda b, o=orth: sx.gmres(lambda v: convection(v), b, rtol=FAR,
                                                     restart=RESTART,
@@ -63,7 +93,7 @@ def compiled(n: int, b):
                                                     orthogonalization=o).x)
             out[name] = fn.lower(b).compile()
         finally:
-            reduce.reads_rows_in_use = rule
+            reduce.reads_rows_in_use, arnoldi._combined = rule, combined
         copied[name] = copied_blocks(out[name].as_text())
     out["jax.scipy"] = jax.jit(lambda b: jsl.gmres(
         convection, b, tol=0.0, atol=0.0, restart=RESTART, maxiter=STEPS // RESTART,

@@ -245,9 +245,22 @@ def test_device_profile_and_compile_probe_small(tmp_path):
     run("probe_gmres_rows.py", "32", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "gmres_rows.json").read_text())["32"]
     assert set(rows) == {"one_sync every row", "one_sync rows in use", "cgs2 every row",
-                         "cgs2 rows in use", "jax.scipy"}
+                         "cgs2 rows in use", "one_sync rows in use, one reduce", "jax.scipy"}
     assert all(r["ms_per_matvec"] > 0 and r["copied_slices"] >= 0 for r in rows.values())
     assert rows["jax.scipy"]["ratio"] == 1.0
+
+
+def test_multigrid_forms_probe_small(tmp_path):
+    """The chip's multigrid-forms probe on this CPU, at the smallest grid
+    where every form differs from the library's (128^2: a `Tail` from 1/4):
+    the same iterations, a first call, warm times and kernels counted."""
+    run("probe_multigrid_forms.py", "128", "--forms", "library", "strided, tail 1/4",
+        "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "multigrid_forms.json").read_text())["128"]
+    assert set(rows) == {"library", "strided, tail 1/4"}
+    assert rows["library"]["iterations"] == rows["strided, tail 1/4"]["iterations"]
+    assert all(r["status"] == "CONVERGED" and r["first_s"] > 0 and r["solve_ms"] > 0
+               and r["cycle_ms"] > 0 and r["cycle_kernels"] > 0 for r in rows.values())
 
 
 def test_plot_results_draws_every_figure_from_the_saved_results(tmp_path):
