@@ -23,7 +23,11 @@ The forms, each patched in while its programs are traced:
   transfers' arrays out transposed, and layout copies ran every cycle:
   `results/tpu.md`; on a sharded axis JAX 0.4.38's partitioner made a
   gather of a strided slice, so this is a one-device form);
-- `strided, tail 1/4`: both."""
+- `strided, tail 1/4`: both;
+- `smoothing unrolled`: each smoother's steps unrolled in Python, as before
+  they became a loop on one device (`Level.repeated`: on this CPU at
+  1024^2 the same warm time, and the same program at the default 2 steps
+  but for the post-smoothing's loop)."""
 import argparse
 import json
 import os
@@ -36,7 +40,7 @@ import numpy as np
 from accelerator_speed import NO_KERNEL, _mg_case
 
 import solvax as sx
-from solvax._grid.multigrid import galerkin, hierarchy, transfer
+from solvax._grid.multigrid import galerkin, hierarchy, levels, transfer
 
 ROUNDS = 5
 #: an HLO instruction line: its opcode
@@ -77,6 +81,13 @@ def prolong_axis(c, axis: int, n: int, periodic: bool, weights: dict, name=None)
     return jnp.concatenate([fine, last], axis=axis)
 
 
+def unrolled(self, step, times: int, x):
+    """`levels.Level.repeated` unrolled in Python on every grid."""
+    for _ in range(times):
+        x = step(x)
+    return x
+
+
 #: per form, `(module, name, value)` patched while its programs are traced
 FORMS = {
     "library": [],
@@ -86,6 +97,7 @@ FORMS = {
                 (transfer, "placed", placed), (transfer, "_prolong_axis", prolong_axis)],
 }
 FORMS["strided, tail 1/4"] = FORMS["strided"] + FORMS["tail 1/4"]
+FORMS["smoothing unrolled"] = [(levels.Level, "repeated", unrolled)]
 
 
 def patched(form: str, fn):

@@ -758,6 +758,32 @@ def test_a_w_cycles_program_grows_by_one_level_per_level():
     assert steps[0] > 0 and abs(steps[1] - steps[0]) <= 0.1 * steps[0], sizes
 
 
+@pytest.mark.parametrize("smoother", ["jacobi", "chebyshev", "gauss_seidel"])
+def test_a_cycles_program_does_not_grow_with_the_smoothing_steps(smoother):
+    """On one device each smoother's repeated step is a loop
+    (`Level.repeated`; unrolled on a GPU): from 3 steps on (a first step
+    from zero, then a loop before and one after) more steps leave the
+    cycle's jaxpr as it was. A grid that may be split across devices (no
+    `shards` given, 8 devices) keeps them unrolled, so a solve's step loop
+    stays the innermost loop with collectives; the two cycles agree to
+    rounding."""
+    k = jax.ShapeDtypeStruct((64, 64), jnp.float64)
+
+    def size(steps, shards):
+        mg = jax.eval_shape(lambda k: sx.multigrid(sx.diffusion_operator(k), steps=steps,
+                                                   smoother=smoother, shards=shards), k)
+        return len(list(all_equations(jax.make_jaxpr(lambda mg, r: mg(r))(mg, k))))
+
+    assert size(3, (1, 1)) == size(4, (1, 1)) == size(7, (1, 1))
+    assert size(3, None) < size(4, None) < size(7, None)
+    field_k, x = field((32, 32)), jnp.asarray(np.random.default_rng(5).standard_normal((32, 32)))
+    looped, unrolled = (jax.jit(lambda k, v, shards=shards: sx.multigrid(
+        sx.diffusion_operator(k), steps=3, smoother=smoother, shards=shards)(v))(field_k, x)
+        for shards in ((1, 1), None))
+    np.testing.assert_allclose(looped, unrolled, rtol=1e-12,
+                               atol=1e-12 * float(jnp.abs(unrolled).max()))
+
+
 def test_the_moves_of_a_cycle_on_the_tail():
     """An F-cycle over m levels above the coarsest solves it m times, a
     V-cycle once; each level's down move has its up move."""

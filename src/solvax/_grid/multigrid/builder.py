@@ -274,7 +274,7 @@ def _stored_as(level: Level, dtype) -> Level:
         return w.astype(dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w
 
     transfer = jax.tree_util.tree_map(narrow, level.transfer)
-    return Level(level.op.astype(dtype), level.lmax, transfer)
+    return Level(level.op.astype(dtype), level.lmax, transfer, level.looped)
 
 
 def _check_storage_range(levels: list, dtype) -> None:

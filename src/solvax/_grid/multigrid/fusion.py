@@ -1,6 +1,7 @@
 """How the backend compiles a cycle: the CPU's fusion barriers
-(`computed`) and the unrolling of scans (`scan_unroll`). The cycle's
-arithmetic calls these and reads the same on every backend."""
+(`computed`), the unrolling of scans (`scan_unroll`) and repeated steps
+(`repeated`). The cycle's arithmetic calls these and reads the same on
+every backend."""
 
 from __future__ import annotations
 
@@ -57,3 +58,14 @@ def scan_unroll(length: int, backend: str | None = None) -> int:
     MG-CG took 75 s there. `backend`: JAX's default one unless given."""
     backend = jax.default_backend() if backend is None else backend
     return length if backend == "gpu" else 1
+
+
+def repeated(step, times: int, x):
+    """`step` applied `times` times to `x` (a pytree): a loop whose body is
+    the step's code once, so a program does not grow with a smoother's
+    `steps` (unrolled where `scan_unroll` says: on a GPU). A single step
+    is just called."""
+    if times <= 1:
+        return step(x) if times == 1 else x
+    return jax.lax.fori_loop(0, times, lambda _, x: step(x), x,
+                             unroll=scan_unroll(times) > 1)

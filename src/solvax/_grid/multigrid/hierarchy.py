@@ -137,7 +137,7 @@ def _tail(op: StencilOperator, shapes: tuple, axes: tuple):
         lmax = smoothing_data(op, True, region)
         transfer = make_transfer(op, axes)
         return (padded_to(galerkin_operator(op, transfer, lmax, split=True), padded),
-                Level(op, lmax, transfer))
+                Level(op, lmax, transfer, True))
 
     regions = jnp.asarray(np.array(shapes[:-1], np.int32))
     last, levels = jax.lax.scan(body, op, regions)
@@ -176,7 +176,7 @@ def build_hierarchy(op: StencilOperator, *, coarse_size: int, max_levels: int,
         if plan is not None:   # the levels from here on alike: one scanned body
             tail, op = _tail(op, *plan)
             first, tail = tail.split()
-            return levels + [first, Level(op, smoothing_data(op, False), None)], tail
+            return levels + [first, Level(op, smoothing_data(op, False), None, True)], tail
         last = len(levels) + 1 >= max_levels or global_size(op) <= coarse_size
         axes = () if last else _axes_to_coarsen(op, semicoarsening, shards)
         # Lanczos where a smoother reads lambda_max: not on the finest level
@@ -186,7 +186,7 @@ def build_hierarchy(op: StencilOperator, *, coarse_size: int, max_levels: int,
             b == "periodic" and (n // 2) % 3 for b, n in zip(op.boundary, op.shape))
         transfer = (jitted(make_transfer, 1, 2)(op, axes, full, lmax if one_device else None)
                     if axes else None)
-        levels.append(Level(op, lmax, transfer))
+        levels.append(Level(op, lmax, transfer, one_device))
         if not axes:
             return levels, None
         galerkin = functools.partial(jitted(galerkin_operator, 3), split=one_device)

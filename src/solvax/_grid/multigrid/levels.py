@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ..stencil import StencilOperator
-from .fusion import computed
+from .fusion import computed, repeated
 from .transfer import Transfer
 
 
@@ -28,22 +28,35 @@ def dinv(op: StencilOperator, v):
 @jax.tree_util.register_pytree_node_class
 class Level:
     """One level: its operator, `lambda_max` of `D^{-1} A` (its smoothers'
-    scale) and the transfer to the level below (None on the coarsest)."""
+    scale) and the transfer to the level below (None on the coarsest).
+    `looped`: its grid is on one device, and a smoother's repeated step runs
+    as a loop (`fusion.repeated`); on a grid that may be split across
+    devices the steps stay unrolled, so that a solve's step loop is the
+    innermost loop with collectives (what `count_collectives` reports)."""
 
-    def __init__(self, op: StencilOperator, lmax, transfer):
-        self.op, self.lmax, self.transfer = op, lmax, transfer
+    def __init__(self, op: StencilOperator, lmax, transfer, looped: bool = False):
+        self.op, self.lmax, self.transfer, self.looped = op, lmax, transfer, looped
 
     def tree_flatten(self):
-        return (self.op, self.lmax, self.transfer), None
+        return (self.op, self.lmax, self.transfer), self.looped
 
     def keep(self):
         """`fn, *args -> fn(*args)` computed into memory before what reads it
         (`fusion.computed`, keyed on this level's set-up value `lmax`)."""
         return functools.partial(computed, self.lmax)
 
+    def repeated(self, step, times: int, x):
+        """`step` applied `times` times to `x`: `fusion.repeated` where
+        `looped`, else unrolled."""
+        if self.looped:
+            return repeated(step, times, x)
+        for _ in range(times):
+            x = step(x)
+        return x
+
     @classmethod
     def tree_unflatten(cls, aux, leaves):
-        return cls(*leaves)
+        return cls(*leaves, aux)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -98,7 +111,7 @@ def _crop_level(level: Level, padded: tuple, shape: tuple, lead: int) -> Level:
                          op.axis_names, op.symmetric)
     transfer = Transfer(jax.tree_util.tree_map(crop, transfer.weights), shape, transfer.axes,
                          transfer.boundary, transfer.axis_names)
-    return Level(op, level.lmax, transfer)
+    return Level(op, level.lmax, transfer, level.looped)
 
 
 def cropped(op: StencilOperator, shape: tuple) -> StencilOperator:

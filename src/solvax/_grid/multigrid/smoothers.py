@@ -133,12 +133,10 @@ def damped_jacobi(level: Level, x, r, *, steps: int, lower: float, post: bool):
     stencil reads it anyway: one array less to read and to keep)."""
     omega = _JACOBI_DAMPING[min(level.op.ndim, 2)] / level.lmax.astype(jnp.abs(r).dtype)
     keep = level.keep()
-    for _ in range(steps):
-        if x is None:
-            x = keep(lambda: omega * dinv(level.op, r))
-        else:
-            x = keep(lambda x: x + omega * dinv(level.op, r - level.op(x)), x)
-    return x
+    if x is None:   # the first step from zero
+        x, steps = keep(lambda: omega * dinv(level.op, r)), steps - 1
+    return level.repeated(lambda x: keep(lambda x: x + omega * dinv(level.op, r - level.op(x)), x),
+                    steps, x)
 
 
 @register_smoother("gauss_seidel")
@@ -157,13 +155,16 @@ def gauss_seidel(level: Level, x, r, *, steps: int, lower: float, post: bool):
     masks = [functools.reduce(jnp.logical_and, [p == c for p, c in zip(parity, colour)])
              for colour in colours]
     keep = level.keep()
-    for _ in range(steps):
+
+    def relaxed(x, masks):
         for mask in masks:
-            if x is None:
-                x = keep(lambda mask=mask: jnp.where(mask, dinv(op, r), 0))
-            else:
-                x = keep(lambda x, mask=mask: jnp.where(mask, x + dinv(op, r - op(x)), x), x)
-    return x
+            x = keep(lambda x, mask=mask: jnp.where(mask, x + dinv(op, r - op(x)), x), x)
+        return x
+
+    if x is None:   # the first sweep from zero: its first colour from r alone
+        x = keep(lambda: jnp.where(masks[0], dinv(op, r), 0))
+        x, steps = relaxed(x, masks[1:]), steps - 1
+    return level.repeated(lambda x: relaxed(x, masks), steps, x)
 
 
 @register_smoother("chebyshev")
@@ -194,15 +195,16 @@ def chebyshev(level: Level, x, r, low, upper, steps: int):
         x = d
     else:
         res, d, x = keep(first, x)
-    rho = delta / theta
-    for _ in range(steps - 1):
+
+    def step(state):
+        res, d, x, rho = state
         rho_next = 1 / (2 * theta / delta - rho)
 
-        def step(res, d, x, rho=rho, rho_next=rho_next):
+        def update(res, d, x):
             res = res - level.op(d)
             d = rho_next * rho * d + (2 * rho_next / delta) * dinv(level.op, res)
             return res, d, x + d
 
-        res, d, x = keep(step, res, d, x)
-        rho = rho_next
-    return x
+        return (*keep(update, res, d, x), rho_next)
+
+    return level.repeated(step, steps - 1, (res, d, x, delta / theta))[2]
