@@ -774,8 +774,8 @@ def test_a_cycles_program_does_not_grow_with_the_smoothing_steps(smoother):
                                                    smoother=smoother, shards=shards), k)
         return len(list(all_equations(jax.make_jaxpr(lambda mg, r: mg(r))(mg, k))))
 
-    assert size(3, (1, 1)) == size(4, (1, 1)) == size(7, (1, 1))
-    assert size(3, None) < size(4, None) < size(7, None)
+    assert size(3, (1, 1)) == size(6, (1, 1))
+    assert size(3, None) < size(4, None)
     field_k, x = field((32, 32)), jnp.asarray(np.random.default_rng(5).standard_normal((32, 32)))
     looped, unrolled = (jax.jit(lambda k, v, shards=shards: sx.multigrid(
         sx.diffusion_operator(k), steps=3, smoother=smoother, shards=shards)(v))(field_k, x)
