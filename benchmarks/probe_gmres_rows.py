@@ -16,8 +16,6 @@ the sliced block: one multi-output reduction that should read the rows once
 where two sums read them twice. On a CPU the rule is off by default and XLA:CPU copies
 every sliced GEMV operand (see `reduce.reads_rows_in_use`)."""
 import argparse
-import json
-import os
 import re
 import time
 
@@ -26,6 +24,7 @@ import jax.numpy as jnp
 import jax.scipy.sparse.linalg as jsl
 import numpy as np
 from accelerator_speed import DTYPE, FAR, convection
+from problems import probe_meta, write_probe
 
 import solvax as sx
 from solvax._core import reduce, tree
@@ -107,10 +106,7 @@ def main():
     p.add_argument("sizes", nargs="+", type=int)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    device = jax.devices()[0]
-    result = {"meta": {"device": f"{device.platform}: {getattr(device, 'device_kind', '?')}",
-                       "jax": jax.__version__, "solvax": sx.__version__,
-                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}}
+    result = {"meta": probe_meta()}
     for n in args.sizes:
         b = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), DTYPE)
         programs, copied = compiled(n, b)
@@ -129,10 +125,7 @@ def main():
             print(f"{n} {name}: {row['ms_per_matvec']:.4f} ms per matvec, "
                   f"{row['ratio']:.3f}x jax.scipy, {row['copied_slices']} copied slices",
                   flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gmres_rows.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    write_probe(args.out, "gmres_rows.json", result)
 
 
 if __name__ == "__main__":

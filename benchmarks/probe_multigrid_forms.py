@@ -29,8 +29,6 @@ The forms, each patched in while its programs are traced:
   1024^2 the same warm time, and the same program at the default 2 steps
   but for the post-smoothing's loop)."""
 import argparse
-import json
-import os
 import re
 import time
 
@@ -38,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from accelerator_speed import NO_KERNEL, _mg_case
+from problems import probe_meta, write_probe
 
 import solvax as sx
 from solvax._grid.multigrid import galerkin, hierarchy, levels, transfer
@@ -52,7 +51,7 @@ def every_other(x, axis: int, phase: int):
     return jax.lax.slice_in_dim(x, phase, x.shape[axis], stride=2, axis=axis)
 
 
-def interleaved(v, axis: int, n: int, phase: int):
+def spaced(v, axis: int, n: int, phase: int):
     """`v` at the points `phase, phase + 2, ...` of an axis of `n` points,
     zero between them: one pad with interior padding."""
     config = [(0, 0, 0)] * v.ndim
@@ -63,7 +62,7 @@ def interleaved(v, axis: int, n: int, phase: int):
 def placed(v, phases: tuple, shape: tuple):
     """`transfer.placed` by interior padding."""
     for axis, phase in phases:
-        v = interleaved(v, axis, shape[axis], phase)
+        v = spaced(v, axis, shape[axis], phase)
     return v
 
 
@@ -73,7 +72,7 @@ def prolong_axis(c, axis: int, n: int, periodic: bool, weights: dict, name=None)
     left = transfer.unit_shift(c, axis, -1, "periodic" if periodic else "dirichlet", name)
     evens = (transfer.axis_slice(weights["minus"], axis, 0, nc) * left
              + transfer.axis_slice(weights["plus"], axis, 0, nc) * c)
-    fine = interleaved(evens, axis, 2 * nc, 0) + interleaved(c, axis, 2 * nc, 1)
+    fine = spaced(evens, axis, 2 * nc, 0) + spaced(c, axis, 2 * nc, 1)
     if n == 2 * nc:
         return fine
     last = (transfer.axis_slice(weights["minus"], axis, nc, nc + 1)
@@ -153,10 +152,7 @@ def main():
     p.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS))
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    device = jax.devices()[0]
-    result = {"meta": {"device": f"{device.platform}: {getattr(device, 'device_kind', '?')}",
-                       "jax": jax.__version__, "solvax": sx.__version__,
-                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}}
+    result = {"meta": probe_meta()}
     programs("library", 32)   # the process's first compile, paid here
     for n in args.sizes:
         rows, compiled = {}, {}
@@ -180,10 +176,7 @@ def main():
                   f"{row['cycle_ms'] / rows[args.forms[0]]['cycle_ms']:.2f}x {args.forms[0]})",
                   flush=True)
         result[str(n)] = rows
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "multigrid_forms.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    write_probe(args.out, "multigrid_forms.json", result)
 
 
 if __name__ == "__main__":

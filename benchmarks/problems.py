@@ -101,6 +101,29 @@ def write_json(path, out):
         print(f"wrote {path}")
 
 
+def probe_meta() -> dict:
+    """A probe's `meta`: the device, JAX's and solvax's versions, the date."""
+    import time
+
+    import jax
+
+    import solvax as sx
+
+    device = jax.devices()[0]
+    return {"device": f"{device.platform}: {getattr(device, 'device_kind', '?')}",
+            "jax": jax.__version__, "solvax": sx.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def write_probe(folder, name, result):
+    """A probe's results as `folder/name` (when a folder is given: its `--out`)."""
+    import os
+
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        write_json(os.path.join(folder, name), result)
+
+
 def run_parts(args, parts, out, small):
     """Run each `(name, part)` whose name contains `--only` (`out[name] =
     part(small)`), then write `out` to `--json`."""
