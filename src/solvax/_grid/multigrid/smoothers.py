@@ -133,10 +133,12 @@ def damped_jacobi(level: Level, x, r, *, steps: int, lower: float, post: bool):
     stencil reads it anyway: one array less to read and to keep)."""
     omega = _JACOBI_DAMPING[min(level.op.ndim, 2)] / level.lmax.astype(jnp.abs(r).dtype)
     keep = level.keep()
+    def step(x):
+        return keep(lambda x: x + omega * dinv(level.op, r - level.op(x)), x)
+
     if x is None:   # the first step from zero
         x, steps = keep(lambda: omega * dinv(level.op, r)), steps - 1
-    return level.repeated(lambda x: keep(lambda x: x + omega * dinv(level.op, r - level.op(x)), x),
-                    steps, x)
+    return level.repeated(step, steps, x)
 
 
 @register_smoother("gauss_seidel")
