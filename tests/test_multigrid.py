@@ -767,7 +767,7 @@ def test_a_cycles_program_does_not_grow_with_the_smoothing_steps(smoother):
     `shards` given, 8 devices) keeps them unrolled, so a solve's step loop
     stays the innermost loop with collectives; the two cycles agree to
     rounding."""
-    k = jax.ShapeDtypeStruct((64, 64), jnp.float64)
+    k = jax.ShapeDtypeStruct((32, 32), jnp.float64)
 
     def size(steps, shards):
         mg = jax.eval_shape(lambda k: sx.multigrid(sx.diffusion_operator(k), steps=steps,
@@ -776,7 +776,7 @@ def test_a_cycles_program_does_not_grow_with_the_smoothing_steps(smoother):
 
     assert size(3, (1, 1)) == size(6, (1, 1))
     assert size(3, None) < size(4, None)
-    field_k, x = field((32, 32)), jnp.asarray(np.random.default_rng(5).standard_normal((32, 32)))
+    field_k, x = field((24, 24)), jnp.asarray(np.random.default_rng(5).standard_normal((24, 24)))
     looped, unrolled = (jax.jit(lambda k, v, shards=shards: sx.multigrid(
         sx.diffusion_operator(k), steps=3, smoother=smoother, shards=shards)(v))(field_k, x)
         for shards in ((1, 1), None))
