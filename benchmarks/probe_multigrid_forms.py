@@ -39,7 +39,7 @@ from accelerator_speed import NO_KERNEL, _mg_case
 from problems import probe_meta, write_probe
 
 import solvax as sx
-from solvax._grid.multigrid import galerkin, hierarchy, levels, transfer
+from solvax._grid.multigrid import fusion, galerkin, hierarchy, levels, transfer
 
 ROUNDS = 5
 #: an HLO instruction line: its opcode
@@ -82,9 +82,7 @@ def prolong_axis(c, axis: int, n: int, periodic: bool, weights: dict, name=None)
 
 def unrolled(self, step, times: int, x):
     """`levels.Level.repeated` unrolled in Python on every grid."""
-    for _ in range(times):
-        x = step(x)
-    return x
+    return fusion.repeated(step, times, x, loop=False)
 
 
 #: per form, `(module, name, value)` patched while its programs are traced

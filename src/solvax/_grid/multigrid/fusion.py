@@ -60,12 +60,14 @@ def scan_unroll(length: int, backend: str | None = None) -> int:
     return length if backend == "gpu" else 1
 
 
-def repeated(step, times: int, x):
-    """`step` applied `times` times to `x` (a pytree): a loop whose body is
-    the step's code once, so a program does not grow with a smoother's
-    `steps` (unrolled where `scan_unroll` says: on a GPU). A single step
-    is just called."""
-    if times <= 1:
-        return step(x) if times == 1 else x
+def repeated(step, times: int, x, loop: bool = True):
+    """`step` applied `times` times to `x` (a pytree): with `loop`, a loop
+    whose body is the step's code once, so a program does not grow with a
+    smoother's `steps` (unrolled where `scan_unroll` says: on a GPU);
+    without it, or for a single step, the steps called in turn."""
+    if not loop or times <= 1:
+        for _ in range(times):
+            x = step(x)
+        return x
     return jax.lax.fori_loop(0, times, lambda _, x: step(x), x,
                              unroll=scan_unroll(times) > 1)

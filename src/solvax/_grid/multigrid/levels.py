@@ -46,13 +46,9 @@ class Level:
         return functools.partial(computed, self.lmax)
 
     def repeated(self, step, times: int, x):
-        """`step` applied `times` times to `x`: `fusion.repeated` where
-        `looped`, else unrolled."""
-        if self.looped:
-            return repeated(step, times, x)
-        for _ in range(times):
-            x = step(x)
-        return x
+        """`step` applied `times` times to `x`: `fusion.repeated`, a loop
+        where `looped`, else unrolled."""
+        return repeated(step, times, x, self.looped)
 
     @classmethod
     def tree_unflatten(cls, aux, leaves):
