@@ -29,7 +29,6 @@ The forms, each patched in while its programs are traced:
   1024^2 the same warm time, and the same program at the default 2 steps
   but for the post-smoothing's loop)."""
 import argparse
-import re
 import time
 
 import jax
@@ -39,11 +38,10 @@ from accelerator_speed import NO_KERNEL, _mg_case
 from problems import probe_meta, write_probe
 
 import solvax as sx
+from solvax._accounting import counter
 from solvax._grid.multigrid import fusion, galerkin, hierarchy, levels, transfer
 
 ROUNDS = 5
-#: an HLO instruction line: its opcode
-INSTRUCTION = re.compile(r"\s*(?:ROOT )?%[\w.\-]+ = .*? ([a-z][\w\-]*)\(")
 
 
 def every_other(x, axis: int, phase: int):
@@ -112,16 +110,14 @@ def patched(form: str, fn):
 
 
 def kernels(text: str) -> int:
-    """Instructions of optimized HLO `text` that launch a kernel, outside
-    fused computations."""
-    count, fused = 0, False
-    for line in text.splitlines():
-        if line and not line.startswith(" "):
-            fused = line.startswith("%fused") or line.startswith("fused")
-        elif not fused:
-            op = INSTRUCTION.match(line)
-            count += bool(op) and op.group(1) not in NO_KERNEL
-    return count
+    """Instructions of optimized HLO `text` that launch a kernel: those of
+    every computation but the ones a fusion calls (`counter._parse`, as
+    `accelerator_speed.step_kernels` reads a step)."""
+    comps, _ = counter._parse(text)
+    fused = {c for instrs in comps.values() for _, _, opcode, rest in instrs
+             if opcode == "fusion" for c in counter.callees(rest)}
+    return sum(opcode not in NO_KERNEL for comp, instrs in comps.items() if comp not in fused
+               for _, _, opcode, _ in instrs)
 
 
 def programs(form: str, n: int) -> dict:
