@@ -34,7 +34,7 @@ class Level:
     devices the steps stay unrolled, so that a solve's step loop is the
     innermost loop with collectives (what `count_collectives` reports)."""
 
-    def __init__(self, op: StencilOperator, lmax, transfer, looped: bool = False):
+    def __init__(self, op: StencilOperator, lmax, transfer, looped: bool):
         self.op, self.lmax, self.transfer, self.looped = op, lmax, transfer, looped
 
     def tree_flatten(self):
