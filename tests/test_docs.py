@@ -101,3 +101,25 @@ def test_documented_counts_come_from_the_live_table():
         line = next(line for line in readme if line.startswith(f"| {label} |"))
         primal, adjoint = [c.strip() for c in line.strip("|").split(" | ")][1:3]
         assert (int(primal), int(adjoint)) == (rows[case]["primal"], rows[case]["adjoint"]), label
+
+
+def test_all_is_a_literal_list_that_matches_the_registry():
+    """`__all__` is read statically by the API reference's generator (griffe
+    takes string literals only): it is a literal list of strings, and it and
+    the names imported in `__init__.py` hold every registered solver, so a new
+    solver cannot be forgotten."""
+    import ast
+
+    tree = ast.parse((ROOT / "src" / "solvax" / "__init__.py").read_text())
+    (node,) = [n for n in tree.body if isinstance(n, ast.Assign)
+               and any(getattr(t, "id", None) == "__all__" for t in n.targets)]
+    assert isinstance(node.value, ast.List)
+    assert all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.value.elts)
+    literal = [e.value for e in node.value.elts]
+    assert literal == list(sx.__all__) and len(set(literal)) == len(literal)
+    imported = {alias.asname or alias.name for n in tree.body if isinstance(n, ast.ImportFrom)
+                for alias in n.names}
+    for name, solver in registry.SOLVERS.items():
+        assert name in literal and name in imported, name
+        assert getattr(sx, name) is solver.function, name
+    assert set(literal) <= imported, set(literal) - imported
