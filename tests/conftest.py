@@ -5,52 +5,17 @@ import os
 import shutil
 import tempfile
 
-# LLVM's optimization level 0: an XLA compile is most of a test's time, and
-# level 0 cuts it by about half (measured: 14.4 s -> 7.2 s for the five
-# programs of one mixed-layout IDR(s) case). The HLO passes and the SPMD
-# partitioner, hence every collective the tests count, are the same at every
-# level; only the machine code of the (tiny) test problems is slower. The
-# entry points the tests start get the same flags (`helpers.entry_point_env`),
-# and so do the benchmarks' smoke runs (without the device count: each script
-# sets its own; they assert no time).
-TEST_XLA_FLAGS = ("--xla_force_host_platform_device_count=8",
-                  "--xla_backend_optimization_level=0")
+# XLA:CPU compiles cheaper at no change to the HLO the tests count (LLVM level
+# 0, the older fusion emitters and LLVM's expensive passes off where the
+# installed jaxlib has them: `solvax._accounting.compile_flags` says what each
+# saves), and 8 devices. The entry points the tests start get the same flags
+# (`helpers.entry_point_env`), and so do the benchmarks' smoke runs (without
+# the device count: each script sets its own; they assert no time). Importing
+# solvax starts no JAX backend.
+from solvax._accounting import compile_flags  # noqa: E402
 
-
-def _jaxlib_knows(flag: str) -> bool:
-    """Whether the installed jaxlib's XLA parses `flag` (its name is in one of
-    its libraries): XLA aborts on an unknown flag, and the flags come and go
-    between versions. Looked up without importing jaxlib (XLA reads its flags
-    once, when the backend starts)."""
-    import importlib.util
-    import mmap
-    import pathlib
-
-    spec = importlib.util.find_spec("jaxlib")
-    for lib in pathlib.Path(spec.origin).parent.rglob("*.so"):
-        with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            if m.find(flag.encode()) >= 0:
-                return True
-    return False
-
-
-# XLA:CPU's MLIR fusion emitters (the default in newer jaxlibs; 0.4.38 has
-# only the older elemental emitters) compile the tests' programs much more
-# slowly on this kind of machine: measured, 23.2 s -> 15.2 s for an IDR(s)
-# mixed-layout case and a multigrid solve, and about 1.7x over the suite.
-# The programs, their HLO and every collective the tests count are the same;
-# only the machine code of each fusion is emitted the older way.
-if _jaxlib_knows("xla_cpu_use_fusion_emitters"):
-    TEST_XLA_FLAGS += ("--xla_cpu_use_fusion_emitters=false",)
-# LLVM's expensive passes off as well (an LLVM option: the HLO is the same):
-# test_multigrid.py 121 -> 115 s and test_sharding.py 66 -> 63 s on two
-# workers, measured in both orders.
-if _jaxlib_knows("xla_llvm_disable_expensive_passes"):
-    TEST_XLA_FLAGS += ("--xla_llvm_disable_expensive_passes=true",)
-os.environ["XLA_FLAGS"] = " ".join(
-    [flag for flag in os.environ.get("XLA_FLAGS", "").split()
-     if flag.split("=")[0] not in {f.split("=")[0] for f in TEST_XLA_FLAGS}]
-    + list(TEST_XLA_FLAGS))
+TEST_XLA_FLAGS = compile_flags.cheap_flags(devices=8)
+compile_flags.set_flags(TEST_XLA_FLAGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the run, shared by the xdist workers
 # (they inherit this environment from the controller, which sets it first) and

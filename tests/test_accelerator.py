@@ -462,10 +462,14 @@ def test_cg_reducing_before_its_loop_is_the_same_solve(monkeypatch):
         assert end_sums > sums or name == "x0" and method != "standard", where
         assert int(end.iterations) == int(top.iterations), where
         assert int(end.status) == int(top.status), where
-        np.testing.assert_allclose(end.history, top.history, rtol=1e-12, equal_nan=True,
-                                   err_msg=str(where))
+        # to rounding at the scale of the start (the two programs may fuse and
+        # so round differently; a late history entry is 1e-7 of the first)
+        scale = float(np.nanmax(np.asarray(top.history)))
+        np.testing.assert_allclose(end.history, top.history, rtol=1e-12, atol=1e-13 * scale,
+                                   equal_nan=True, err_msg=str(where))
         for u, v in zip(jax.tree.leaves(end.x), jax.tree.leaves(top.x), strict=True):
-            np.testing.assert_allclose(u, v, rtol=1e-12, err_msg=str(where))
+            np.testing.assert_allclose(u, v, rtol=1e-12, atol=1e-13 * float(np.max(np.abs(v))),
+                                       err_msg=str(where))
     np.testing.assert_allclose(one["grad"], mesh_form["grad"], rtol=1e-10)
     np.testing.assert_array_equal(one["vmap"], mesh_form["vmap"])
     converged, steps, calls = mesh_form["precond"]

@@ -39,9 +39,12 @@ def test_python_m_solvax_prints_the_rows_asked_for(tmp_path):
     below; every row's counts are pinned in test_sharding.py and
     test_partitioned.py)."""
     cases = ["PCG", "PCG, single_reduction=True", "shard_map: MINRES (axis_name)"]
-    _, rows = _main_job(tmp_path, "--case", *cases)
+    out, rows = _main_job(tmp_path, "--case", *cases)
     assert list(rows) == cases
     _check_pcg_rows(rows)
+    # each row is printed as it is measured, with its place and the time so far
+    for i, case in enumerate(cases, 1):
+        assert f"[{i}/{len(cases)}, " in out and f"] {case}: primal " in out
     assert rows["shard_map: MINRES (axis_name)"]["all_gathers"] == 0
 
 

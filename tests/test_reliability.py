@@ -445,14 +445,21 @@ def test_gmres_stagnation_is_detected():
     assert int(sol.status) == Status.STAGNATION and int(sol.iterations) <= 3
 
 
-def test_rounding_limited_solves_say_stagnation():
+def test_rounding_limited_solves_say_floor_or_stagnation():
+    """A tolerance out of the precision's reach is named as such: the floor
+    (the method's own test met, or CG's breakdown at rounding level) or a
+    stagnation, never a breakdown or the operator (once BREAKDOWN, INDEFINITE
+    for CG with `rtol=0`, MAX_STEPS); a float64 stop never suggests x64."""
+    rounding = (Status.FLOOR, Status.STAGNATION)
     A = jnp.asarray(np.diag(np.linspace(1.0, 100.0, 64)))
     for sol in (sx.gmres(lambda x: A @ x, rhs(64), rtol=0.0, atol=0.0),
                 sx.pcg(lambda x: A @ x, rhs(64), rtol=0.0, atol=0.0)):
-        assert int(sol.status) == Status.STAGNATION, sol.message  # once BREAKDOWN
+        assert int(sol.status) in rounding, sol.message
+        assert "x64" not in sol.message
     A32 = jnp.asarray(np.diag(np.linspace(1.0, 1e4, 64)), jnp.float32)
     sol = sx.gmres(lambda x: A32 @ x, rhs(64, dtype=np.float32), rtol=1e-9)
-    assert int(sol.status) == Status.STAGNATION, sol.message  # once MAX_STEPS
+    assert int(sol.status) in rounding, sol.message
+    assert "x64" in sol.message
 
 
 def test_gmres_stalls_on_a_residual_that_sets_no_new_least():
@@ -542,7 +549,9 @@ def test_a_solution_too_large_for_the_dtype_is_nonfinite():
     infinite x is reported NONFINITE (it said INDEFINITE with an infinite x).
     CG may instead stop earlier on a curvature <p, A p> <= 0, finite x: also
     true of a semidefinite operator (single-reduction CG does, on jax 0.4.38,
-    after 14 steps), so INDEFINITE is accepted for CG with a finite x only."""
+    after 14 steps), or on its divergence stop (the residual of an
+    inconsistent system grows), so INDEFINITE and DIVERGED are accepted for
+    CG with a finite x only."""
     A = jnp.asarray(_singular(N))
     cg = (sx.pcg, functools.partial(sx.pcg, method="single_reduction"))
     for solve in (*cg, sx.gmres):
@@ -550,6 +559,6 @@ def test_a_solution_too_large_for_the_dtype_is_nonfinite():
         status = Status(int(sol.status))
         assert not bool(sol.converged), sol.message
         if np.all(np.isfinite(np.asarray(sol.x))) and solve in cg:
-            assert status in (Status.NONFINITE, Status.INDEFINITE), sol.message
+            assert status in (Status.NONFINITE, Status.INDEFINITE, Status.DIVERGED), sol.message
         else:
             assert status == Status.NONFINITE, sol.message

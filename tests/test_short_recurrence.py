@@ -59,13 +59,14 @@ def test_one_sync_bicgstab_on_convection_diffusion():
 
 def test_one_sync_bicgstab_stops_at_its_rounding_level():
     """Asked for more than any recurrence attains (rtol 1e-16; standard
-    BiCGStab stops at 1e-14 here), it stops as STAGNATION with a finite x
+    BiCGStab stops at 1e-14 here), it stops at the floor (FLOOR or
+    STAGNATION) with a finite x
     instead of drifting on (before its restarts it reached Inf after 3000
     steps at rtol 1e-14); restarted from the true residual where its
     expansions drift, it now reaches 1e-15 (6e-11 before)."""
     mv, b = convection_diffusion(10.0), rhs((64, 64))
     sol = sx.bicgstab(mv, b, rtol=1e-16, method="one_sync", max_steps=3000)
-    assert int(sol.status) == Status.STAGNATION and int(sol.iterations) < 600
+    assert int(sol.status) in (Status.FLOOR, Status.STAGNATION) and int(sol.iterations) < 600
     assert np.all(np.isfinite(np.asarray(sol.x)))
     assert float(sol.residual_norm) < 1e-13 * float(jnp.linalg.norm(b))
 
@@ -83,10 +84,11 @@ def test_one_sync_bicgstab_float32_reaches_standard_floor():
     b = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
     for precond in (None, sx.jacobi(A.diagonal())):
         sol = sx.bicgstab(A, b, rtol=1e-4, method="one_sync", precond=precond)
-        assert int(sol.status) in (Status.CONVERGED, Status.STAGNATION), sol.message
+        assert int(sol.status) in (Status.CONVERGED, Status.FLOOR, Status.STAGNATION), sol.message
         assert float(sol.residual_norm) <= 1e-3 * float(jnp.linalg.norm(b))
     sol = sx.bicgstab(A, jnp.ones((n, n), jnp.float32), rtol=1e-4, method="one_sync")
-    assert int(sol.status) == Status.STAGNATION and float(sol.residual_norm) < 1e-2 * n
+    assert int(sol.status) in (Status.FLOOR, Status.STAGNATION)
+    assert float(sol.residual_norm) < 1e-2 * n
 
 
 def _lanczos_breakdown_after_one_step():
@@ -321,15 +323,18 @@ def test_idrs_reduction_per_matvec_inside_shard_map():
     f = sx.shard_map(lambda b: sx.idrs(lambda x: 2.0 * x, b, s=3, axis_name="i").x,
                      mesh=mesh(8), in_specs=P("i"), out_specs=P("i"))
     jaxpr = jax.make_jaxpr(f)(jnp.ones(64))
-    # the scale's pmax, the setup's psum, 4 in the cycle, the final check's
-    assert count_primitives(jaxpr, "psum") == 1 + 4 + 1
+    # the scale's pmax, the setup's psum, 4 in the cycle, the confirmation's
+    # (`P^H r` of the true residual after a round), the final check's
+    assert count_primitives(jaxpr, "psum") == 1 + 4 + 1 + 1
     assert rel_err(f(jnp.ones(64)), np.full(64, 0.5)) < 1e-12
 
 
 
 def test_idrs_default_s_counts():
-    """IDR(4), the default (the registry runs s = 2): 7 collectives, 5 per
-    cycle of 5 matvecs, 14 for the adjoint (the table's row)."""
+    """IDR(4), the default (the registry runs s = 2): 8 collectives, 5 per
+    cycle of 5 matvecs and one per round (the confirmation on the true
+    residual, in the loop around the cycles), 16 for the adjoint (the
+    table's row)."""
     from helpers import mesh, put
 
     m = mesh(8)
@@ -341,4 +346,5 @@ def test_idrs_default_s_counts():
 
     primal = sx.count_collectives(f, d, b)
     adjoint = sx.count_collectives(jax.grad(lambda d, b: jnp.sum(f(d, b) ** 2), (0, 1)), d, b)
-    assert (primal.total, primal.per_iteration, adjoint.total) == (7, 5, 14), str(primal)
+    assert (primal.total, primal.per_iteration, adjoint.total) == (8, 6, 16), str(primal)
+    assert primal.step_count("all-reduce") == 5, str(primal)

@@ -78,9 +78,9 @@ def test_pcg_loss_of_accuracy_is_not_converged():
     for sr in (False, True):
         sol = sx.pcg(poisson_1d, b, rtol=1e-12, single_reduction=sr, max_steps=2000)
         assert not bool(sol.converged)
-        assert int(sol.status) in (Status.STAGNATION, Status.MAX_STEPS)
+        assert int(sol.status) in (Status.FLOOR, Status.STAGNATION, Status.MAX_STEPS)
     sol = sx.pcg(poisson_1d, b, rtol=1e-12)
-    assert int(sol.status) == Status.STAGNATION, sol.message
+    assert int(sol.status) == Status.FLOOR, sol.message
 
 
 @pytest.mark.parametrize("name, where", sample("nonfinite", strength=1, name=ALL,
@@ -144,6 +144,10 @@ def test_status_messages_and_codes():
     (1.0, np.inf, 2.0, Status.NONFINITE),
     (1.0, -1.0, np.nan, Status.INDEFINITE),       # M not positive definite comes first
     (1.0, 1.0, -2.0, Status.INDEFINITE),
+    (1e-20, 1.0, -1.0, Status.CONVERGED),         # the floor test comes after convergence
+    (1e-30, 1.0, -1.0, Status.CONVERGED),
+    (2e6, 2e6, 1.0, Status.DIVERGED),            # <r, r> at DIVERGENCE^2 x its start (1)
+    (1.0, 1.0, 0.0, Status.INDEFINITE),
     (1.0, 1.0, 0.0, Status.INDEFINITE),
     (1.0, 1.0, -np.inf, Status.NONFINITE),
     (1.0, 1.0, np.inf, Status.NONFINITE),
@@ -152,16 +156,31 @@ def test_status_messages_and_codes():
 def test_cg_step_status_order(rr, gamma, curvature, expected):
     """The CG step's predicate (comparisons only) and the stop reason evaluated
     after the loop agree, in the documented order: non-finite, converged,
-    indefinite."""
+    diverged, the floor, indefinite (the first step's <r, r> is 1 here)."""
     from solvax._krylov import cg_steps as _cg
-    tol2 = jnp.float64(1e-16)
+    from solvax._krylov.steps import DIVERGENCE
+    tol2, cap2 = jnp.float64(1e-16), jnp.float64(DIVERGENCE**2)
     rr, gamma, curvature = (jnp.float64(v) for v in (rr, gamma, curvature))
-    go = _cg.goes(_cg.may_go(rr, gamma, tol2), curvature)
+    go = _cg.goes(_cg.may_go(rr, gamma, tol2, cap2), curvature)
     assert bool(go) == (int(expected) == -1)
     if not bool(go):
         scalars = _cg.Scalars(gamma=gamma, alpha=None, tol2=tol2, k=None, go=go, rr=rr,
-                               curvature=curvature, history=None)
+                               curvature=curvature, history=None, cap2=cap2)
         assert int(_cg.stop_reason(scalars)) == int(expected)
+
+
+def test_a_breakdown_at_the_rounding_floor_is_the_floor():
+    """<p, A p> <= 0 once <r, r> fell by eps from its start is rounding, not an
+    indefinite operator (multigrid-CG with `rtol=0` said INDEFINITE); the
+    same breakdown well above it is INDEFINITE (the nearest case)."""
+    from solvax._krylov import cg_steps as _cg
+    from solvax._krylov.steps import DIVERGENCE
+    cap2, tol2 = jnp.float64(DIVERGENCE**2), jnp.float64(0.0)
+    for rr, expected in ((1e-17, Status.FLOOR), (1e-12, Status.INDEFINITE)):
+        scalars = _cg.Scalars(gamma=jnp.float64(rr), alpha=None, tol2=tol2, k=None,
+                               go=jnp.bool_(False), rr=jnp.float64(rr),
+                               curvature=jnp.float64(-1.0), history=None, cap2=cap2)
+        assert int(_cg.stop_reason(scalars)) == int(expected), rr
 
 
 @pytest.mark.parametrize("method", ["standard", "single_reduction", "pipelined"])
@@ -190,14 +209,20 @@ def test_a_traced_invalid_tolerance_is_its_own_status():
 def test_float32_precision_floor_names_precision():
     """A new user's first solve (issue 48): float32 multigrid-CG on a 64^2
     diffusion problem with a smooth b cannot reach the default rtol; the
-    status says STAGNATION and its message names the precision and the two
-    ways out (x64, iterative_refinement). Nearest valid input: a random b,
-    which float32 does solve there."""
+    status says FLOOR (not a failure: `check()` accepts it), its message
+    names float32 and the two ways out (x64, iterative_refinement) in at
+    most 300 characters, and x is as accurate as float32 allows. Nearest
+    valid input: a random b, which float32 does solve there."""
     n = 64
     A = sx.diffusion_operator(jnp.ones((n, n), jnp.float32), spacing=1 / n)
     sol = sx.pcg(A, jnp.ones((n, n), jnp.float32), precond=sx.multigrid(A))
-    assert sol.status == Status.STAGNATION
-    for words in ("precision", "float32", "jax_enable_x64", "iterative_refinement"):
+    assert sol.status == Status.FLOOR and sol.check() is sol
+    for words in ("precision", "float32", "x64", "iterative_refinement"):
         assert words in sol.message
+    assert len(sol.message) <= 300
+    A64 = sx.diffusion_operator(jnp.ones((n, n)), spacing=1 / n)
+    exact = np.asarray(sx.pcg(A64, jnp.ones((n, n)), precond=sx.multigrid(A64), rtol=1e-13).x)
+    error = np.linalg.norm(np.asarray(sol.x, np.float64) - exact) / np.linalg.norm(exact)
+    assert error < 1e-4, error
     b = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
     assert sx.pcg(A, b, precond=sx.multigrid(A)).converged

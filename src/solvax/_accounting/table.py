@@ -203,38 +203,58 @@ def _step_counts(report) -> tuple[int, int, int]:
     return syncs, halos, sum(c.bytes for c in step)
 
 
-def measure(devices: int, n: int = 512, cases: list[str] | None = None) -> list[Row]:
+def measure(devices: int, n: int = 512, cases: list[str] | None = None,
+            on_row: Callable | None = None) -> list[Row]:
     """The table's rows (all, or those named in `cases`) on a mesh of the first
-    `devices` devices."""
+    `devices` devices; `on_row(i, total, row)` is called as each is measured."""
     if devices > len(jax.devices()):
         raise ValueError(f"{devices} devices requested, {len(jax.devices())} available; set "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts.")
     mesh = Mesh(np.array(jax.devices()[:devices]), ("i",))
-    rows = []
     every = _cases(mesh, n)
     unknown = sorted(set(cases or ()) - set(every))
     if unknown:
         raise ValueError(f"unknown table cases {unknown}; the cases are {list(every)}")
-    for case, (fn, args) in every.items():
-        if cases is not None and case not in cases:
-            continue
-        primal = count_collectives(fn, *args)
-        adjoint = count_collectives(jax.grad(_loss(fn), argnums=tuple(range(len(args)))), *args)
-        syncs, halos, step_bytes = _step_counts(primal)
-        rows.append(Row(case, devices, primal.total, adjoint.total, syncs,
-                        primal.count("all-gather") + adjoint.count("all-gather"), step_bytes,
-                        halos))
+    chosen = [(case, fn, args) for case, (fn, args) in every.items()
+              if cases is None or case in cases]
+    rows = []
+    for i, (case, fn, args) in enumerate(chosen):
+        rows.append(measure_row(case, fn, args, devices))
+        if on_row is not None:
+            on_row(i, len(chosen), rows[-1])
     return rows
 
 
+def measure_row(case: str, fn: Callable, args: tuple, devices: int) -> Row:
+    """One row: the primal's and the adjoint's collectives."""
+    primal = count_collectives(fn, *args)
+    adjoint = count_collectives(jax.grad(_loss(fn), argnums=tuple(range(len(args)))), *args)
+    syncs, halos, step_bytes = _step_counts(primal)
+    return Row(case, devices, primal.total, adjoint.total, syncs,
+               primal.count("all-gather") + adjoint.count("all-gather"), step_bytes, halos)
+
+
+_HEADER = ("case", "devices", "primal", "adjoint", "syncs/step", "halos/step",
+           "all-gathers (p+a)", "bytes/step")
+
+
+def _cells(r: Row) -> tuple:
+    return (r.case, str(r.devices), str(r.primal), str(r.adjoint), str(r.per_step),
+            str(r.halos_per_step), str(r.all_gathers), str(r.bytes_per_step))
+
+
 def format_table(rows: list[Row]) -> str:
-    header = ("case", "devices", "primal", "adjoint", "syncs/step", "halos/step",
-              "all-gathers (p+a)", "bytes/step")
-    body = [(r.case, str(r.devices), str(r.primal), str(r.adjoint), str(r.per_step),
-             str(r.halos_per_step), str(r.all_gathers), str(r.bytes_per_step)) for r in rows]
-    width = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    body = [_cells(r) for r in rows]
+    width = [max(len(line[i]) for line in [_HEADER, *body]) for i in range(len(_HEADER))]
     fmt = lambda line: "  ".join(c.ljust(w) for c, w in zip(line, width)).rstrip()  # noqa: E731
-    return "\n".join([fmt(header), fmt(tuple("-" * w for w in width))] + [fmt(b) for b in body])
+    return "\n".join([fmt(_HEADER), fmt(tuple("-" * w for w in width))] + [fmt(b) for b in body])
+
+
+def format_row(row: Row) -> str:
+    """One row as a line of its own (printed as it is measured): the case,
+    then the columns named."""
+    return row.case + ": " + ", ".join(f"{name} {value}" for name, value in
+                                      zip(_HEADER[2:], _cells(row)[2:]))
 
 
 def write_json(rows: list[Row], path: str) -> None:

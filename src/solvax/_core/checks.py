@@ -173,3 +173,19 @@ def check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"`{name}` must be one of {', '.join(map(repr, choices))}; "
                          f"got {value!r}.")
+
+
+def check_symmetric(solver: str, matvec, precond) -> None:
+    """`matvec` and `precond` are not known to be nonsymmetric: an operator
+    that can tell (`is_symmetric()`: a `StencilOperator` with concrete
+    coefficients, a `Multigrid` cycle) and says False is refused, with the
+    solvers that fit it. Where it cannot tell (any callable, traced
+    coefficients), the solve's divergence stop is what catches it."""
+    for name, op in (("matvec", matvec), ("precond", precond)):
+        test = getattr(op, "is_symmetric", None)
+        if test is not None and test() is False:
+            what = ("a nonsymmetric operator" if name == "matvec" else
+                    "a preconditioner that is not symmetric (a multigrid cycle of a "
+                    "nonsymmetric stencil, or an F-cycle)")
+            raise ValueError(f"`{solver}` needs a symmetric `{name}`; this is {what}. Use "
+                             "`gmres` or `bicgstab` (or `idrs`), which take it.")

@@ -57,6 +57,7 @@ class Problem(NamedTuple):
     atol: Any = 0.0
     ip: reduce.Reduction | None = None
     data: PyTree = None  # a method's own traced arguments (linear_solve: the user's solvers)
+    null: PyTree = None  # like `b`: spans the null space of A and A^T (`finish` tests b on it)
 
     def real_dtype(self):
         """The real dtype of the iteration (of `b`'s common dtype, at least float32)."""

@@ -85,7 +85,7 @@ def solve(method: Method, matvec, b, /, *, x0, precond, rtol, atol, inner_produc
     options = checked_loop_options(options)
     problem = make_problem(matvec, b, x0=x0, precond=precond, rtol=rtol, atol=atol,
                            inner_product=inner_product, axis_name=axis_name)
-    problem = problem._replace(data=data)
+    problem = problem._replace(data=data, null=_null_vector(matvec, problem.b))
     for name, op in (("matvec", problem.A), ("precond", problem.precond)):
         if op is not None:
             check_reduced_over(name, op, problem)
@@ -93,6 +93,17 @@ def solve(method: Method, matvec, b, /, *, x0, precond, rtol, atol, inner_produc
     # The transposed solve: the same method on A^T, started from zero.
     return implicit_solve(problem, run, lambda p: run(p._replace(x0=None)), failed_derivative,
                           adjoint_data)
+
+
+def _null_vector(matvec, b):
+    """The operator's null vector where it can tell one (`null_vector(dtype)`,
+    e.g. a periodic or pure Neumann `StencilOperator`) and `b` is one array
+    of its shape; else None."""
+    get = getattr(matvec, "null_vector", None)
+    if get is None or not isinstance(b, jax.Array) or jnp.shape(b) != getattr(
+            matvec, "shape", None):
+        return None
+    return get(b.dtype)
 
 
 def _run_and_finish(method: Method, options: dict, problem: Problem):
@@ -140,25 +151,40 @@ def finish(problem: Problem, outcome: Outcome, name: str, scale=None) -> Solutio
     """The `Solution`: the true residual decides `converged` (module docstring,
     4); with `scale`, the problem was `_scaled` by it and `x` and the norms are
     scaled back (exactly), a solution too large for the dtype being
-    `NONFINITE` (`||x||` rides in the residual's reduction)."""
+    `NONFINITE` (`||x||` rides in the residual's reduction). With a null
+    vector `n` (a singular operator) `b`'s component `|<b, n>| / ||n||` on it,
+    a lower bound of every residual, rides along too: above the tolerance,
+    the system has no solution (`INCONSISTENT`)."""
+    null = problem.null
+    extra = [] if null is None else [(problem.b, null), (null, null)]
     if outcome.residual is None:
         with jax.named_scope(f"solvax.{name}.true_residual"):
             r = tree.sub(problem.b, problem.A(outcome.x))
             # ||b|| and ||x|| ride along in the same reduction.
-            rr, bb, xx = jnp.real(problem.ip.multi_dot([(r, r), (problem.b, problem.b),
-                                                         (outcome.x, outcome.x)]))
+            rr, bb, xx, *bn = problem.ip.multi_dot([(r, r), (problem.b, problem.b),
+                                                     (outcome.x, outcome.x), *extra])
+            rr, bb, xx = jnp.real(rr), jnp.real(bb), jnp.real(xx)
         norm, xnorm = reduce.real_sqrt(rr), reduce.real_sqrt(xx)
         tol = threshold(bb, *problem.tolerances())
     else:
         norm, tol, xnorm = outcome.residual
+        if null is not None:
+            bb, *bn = problem.ip.multi_dot([(problem.b, problem.b), *extra])
+            bb = jnp.real(bb)
+    inconsistent = False
+    if null is not None:
+        component = jnp.abs(bn[0]) / reduce.real_sqrt(jnp.real(bn[1]))
+        floor = 1e3 * jnp.finfo(norm.dtype).eps * reduce.real_sqrt(bb)
+        inconsistent = component > jnp.maximum(tol, floor)
     if scale is None:
         return make_solution(outcome.x, outcome.status, outcome.iterations, norm, tol,
-                             history=outcome.history, recycle=outcome.recycle)
+                             history=outcome.history, recycle=outcome.recycle,
+                             inconsistent=inconsistent)
     # decided in the scaled problem, where the norms neither under- nor overflow
     status = jnp.where(jnp.isfinite(scale * xnorm), outcome.status, code(Status.NONFINITE))
     sol = make_solution(tree.scale(scale, outcome.x), status, outcome.iterations, norm, tol,
                         history=None if outcome.history is None else scale * outcome.history,
-                        recycle=outcome.recycle)
+                        recycle=outcome.recycle, inconsistent=inconsistent)
     return sol._replace(residual_norm=scale * norm)
 
 

@@ -15,6 +15,7 @@ editors); what they mean and how they are checked lives here:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import textwrap
 
@@ -48,9 +49,42 @@ SET_BY_NEWTON = ("x0", "precond", "rtol", "atol", "max_steps", "max_restarts", "
                  "axis_name", "failed_derivative", "record_history", "recycle")
 
 
+#: Keywords of jax.scipy, SciPy and lineax that solvax spells otherwise: the
+#: solvax name (or what to do instead) a refusal names.
+FOREIGN = {
+    "tol": "`rtol` (jax.scipy's and SciPy's `tol` is solvax's `rtol`)",
+    "maxiter": "`max_steps` (iterations; GMRES: `max_restarts` cycles of `restart` steps)",
+    "M": "`precond` (a function `r -> M r`)",
+    "callback": "`record_history=True` (the residual norm per step in `Solution.history`)",
+    "solve_method": "`orthogonalization` (GMRES: 'one_sync', 'cgs2' ...)",
+    "norm": "`inner_product` (its norm is used for every test)",
+    "throw": "`sol.check()` on the host (raises unless it converged)",
+    "options": "keywords (solvax's options are keyword arguments)",
+    "max_iter": "`max_steps`",
+    "maxiters": "`max_steps`",
+}
+
+
+def refuse_foreign(fn):
+    """`fn` refusing, with the solvax name to use, a keyword of jax.scipy,
+    SciPy or lineax (`FOREIGN`) that it does not take itself."""
+    taken = inspect.signature(fn).parameters
+
+    @functools.wraps(fn)
+    def solver(*args, **kwargs):
+        for name in kwargs:
+            if name in FOREIGN and name not in taken:
+                raise TypeError(f"{fn.__name__}() got the keyword `{name}`, which solvax does "
+                                f"not take: use {FOREIGN[name]}.")
+        return fn(*args, **kwargs)
+
+    return solver
+
+
 def documented(fn):
     """`fn` with `COMMON_MARKER` in its docstring replaced by the `COMMON`
-    entries (each option `fn` takes), indented as the marker is."""
+    entries (each option `fn` takes), indented as the marker is, and
+    refusing the foreign keywords (`refuse_foreign`)."""
     doc = fn.__doc__ or ""
     lines = doc.split("\n")
     at = [i for i, line in enumerate(lines) if line.strip() == COMMON_MARKER]
@@ -68,7 +102,7 @@ def documented(fn):
                                      subsequent_indent="    ", break_on_hyphens=False)
     lines[at[0]:at[0] + 1] = [indent + entry for entry in entries]
     fn.__doc__ = "\n".join(lines)
-    return fn
+    return refuse_foreign(fn)
 
 
 def checked_failed_derivative(value: str) -> str:

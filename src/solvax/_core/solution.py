@@ -14,7 +14,15 @@ PyTree = Any
 
 
 class Status(enum.IntEnum):
-    """Why a solve stopped. `Status(int(solution.status)).message` explains it."""
+    """Why a solve stopped. `solution.message` says it for that solve (its
+    dtype decides the advice); `Status(code).message` is the general text.
+
+    `FLOOR` is not a failure of the method: its own residual met the
+    tolerance and `x` is as accurate as the precision allows for this
+    system, but `b - A x` evaluated in that precision rounds to more than
+    the tolerance (`converged` stays False: it means the true residual met
+    the test; `Solution.check` accepts `FLOOR`).
+    """
 
     CONVERGED = 0
     MAX_STEPS = 1
@@ -25,49 +33,72 @@ class Status(enum.IntEnum):
     INVALID_TOLERANCE = 6
     LINE_SEARCH = 7
     LINEAR_SOLVE = 8
+    DIVERGED = 9
+    INCONSISTENT = 10
+    FLOOR = 11
 
     @property
     def message(self) -> str:
-        return _MESSAGES[self]
+        return message(self)
 
 
+#: Each status's cause and its one fix (at most about 300 characters; the
+#: docs say more: `docs/troubleshooting.md`). `{precision}` is filled in by
+#: `message` from the solve's dtype.
 _MESSAGES = {
     Status.CONVERGED: "converged: the true residual meets max(atol, rtol * ||b||)",
-    Status.MAX_STEPS: "not converged: the iteration limit was reached first; "
-    "raise `max_steps`/`max_restarts`, loosen the tolerance or precondition",
-    Status.INDEFINITE: "breakdown: non-positive curvature <p, A p> <= 0 or <r, M r> <= 0; "
-    "the operator (CG) or the preconditioner (CG, MINRES) is not Hermitian positive definite "
-    "(or, for the single-reduction and pipelined CG recurrences, rounding at their attainable "
-    "accuracy)",
-    Status.BREAKDOWN: "breakdown: the Krylov space became invariant before the tolerance was "
-    "met (GMRES, MINRES: a singular operator and an inconsistent system; MINRES returns "
-    "a least-squares solution), or a denominator of the short recurrences vanished "
-    "(BiCGStab: rho = <r0, r>, <r0, A M p>, omega or <t, t>; IDR(s): a pivot P_k^H G_k or "
-    "<t, r>); restart from x, change the shadow vectors (IDR(s) `key`) or use GMRES",
-    Status.NONFINITE: "non-finite values (NaN or Inf) appeared in the right-hand side, "
-    "the operator, the preconditioner or the iterates",
-    Status.STAGNATION: "not converged: the iteration stopped making progress before the true "
-    "residual b - A x met the tolerance (its own residual met it while the true one did not, "
-    "restarts stopped decreasing it, or it reached its rounding level). Most often that is "
-    "the precision: no method gets the true relative residual much below eps * cond(A), "
-    "about 1e-3 for a 256^2 Laplacian with a smooth b in float32 (JAX's default, and an "
-    "accelerator's); for more, enable x64 (`jax.config.update('jax_enable_x64', True)`) or "
-    "use `iterative_refinement` (float64 answers from float32 solves), or loosen "
-    "`rtol`/`atol`. Otherwise precondition or (GMRES) raise `restart`; a residual that stays "
-    "well above the tolerance can also mean a singular operator and an inconsistent system",
-    Status.INVALID_TOLERANCE: "not solved: a tolerance passed as a traced value was negative "
-    "or NaN (`rtol` and `atol` must be finite and >= 0; concrete ones are refused when the "
-    "solve is traced)",
+    Status.MAX_STEPS: "not converged: the iteration limit was reached first; precondition, "
+    "raise `max_steps`/`max_restarts` or loosen the tolerance",
+    Status.INDEFINITE: "breakdown: <p, A p> <= 0 or <r, M r> <= 0 well above the rounding "
+    "floor: the operator (CG) or the preconditioner (CG, MINRES) is not symmetric positive "
+    "definite; for an indefinite symmetric A use `minres`, else `gmres`",
+    Status.BREAKDOWN: "breakdown: the Krylov space became invariant (GMRES, MINRES: a "
+    "singular operator and an inconsistent system; MINRES returns a least-squares solution) "
+    "or a BiCGStab or IDR(s) denominator vanished; restart from x, change `key` (IDR(s)) "
+    "or use `gmres`",
+    Status.NONFINITE: "non-finite values (NaN or Inf) in b, the operator, the preconditioner "
+    "or the iterates",
+    Status.STAGNATION: "not converged: the iteration stopped making progress well above the "
+    "tolerance (so does a singular operator with an inconsistent system); {stagnation}",
+    Status.INVALID_TOLERANCE: "not solved: a traced `rtol` or `atol` was negative or NaN "
+    "(both must be finite and >= 0)",
     Status.LINE_SEARCH: "not converged (`newton_krylov`): no step along the Newton direction "
-    "reduced ||F|| enough (Armijo) within `max_backtracks` reductions (a non-finite F counts as "
-    "no reduction); the iterate before that step is returned. Near the tolerance, ||F|| "
-    "has reached its rounding level (loosen `rtol`/`atol`, e.g. in float32); far from it, "
-    "precondition or tighten the linear solves (`forcing`, `max_inner`), or start closer "
-    "to a root (there may be none)",
-    Status.LINEAR_SOLVE: "not converged (`newton_krylov`): the linear solve for the Newton step "
-    "failed (non-finite, or a breakdown that gave no usable direction); "
-    "`linear_status` says how",
+    "reduced ||F|| enough; near the tolerance ||F|| is at its rounding level (loosen it), "
+    "far from it precondition or start closer to a root",
+    Status.LINEAR_SOLVE: "not converged (`newton_krylov`): the linear solve for the Newton "
+    "step failed; `linear_status` says how",
+    Status.DIVERGED: "diverged: the residual grew to 1000x its start, which a symmetric "
+    "positive definite system does not do in CG: the operator or preconditioner is likely "
+    "nonsymmetric or indefinite; use `gmres` or `bicgstab` (`minres` if symmetric)",
+    Status.INCONSISTENT: "no solution: the operator is singular (e.g. periodic or pure "
+    "Neumann boundaries) and b has a component in its null space larger than the "
+    "tolerance; remove it (for those grids: b - mean(b))",
+    Status.FLOOR: "at the precision floor: x is as accurate as {dtype} allows for this "
+    "system (the method's own residual went below the tolerance, or broke down at "
+    "rounding level), but b - A x rounded in {dtype} stays above it; {floor}",
 }
+
+#: The advice that depends on the precision: (float32 or narrower, float64,
+#: unknown).
+_ADVICE = {
+    "floor": ("for a smaller residual solve in float64 (x64) or use `iterative_refinement`",
+              "the tolerance is below eps * cond(A): loosen `rtol` or precondition",
+              "float64 or `iterative_refinement` lower it in float32; in float64 loosen "
+              "`rtol`"),
+    "stagnation": ("float32 reaches about eps * cond(A): use float64 (x64) or "
+                   "`iterative_refinement`, or precondition",
+                   "precondition, raise `restart` (GMRES) or loosen `rtol`",
+                   "precondition, raise `restart` (GMRES), or use float64"),
+}
+
+
+def message(status, dtype=None) -> str:
+    """The message of one status; `dtype`: the solve's (real) dtype, which
+    picks the advice (float64 never suggests enabling x64)."""
+    pick = 2 if dtype is None else 1 if np.finfo(dtype).bits >= 64 else 0
+    text = _MESSAGES[Status(int(status))]
+    return text.format(dtype="the precision" if dtype is None else np.dtype(dtype).name,
+                       **{key: advice[pick] for key, advice in _ADVICE.items()})
 
 
 #: Loop-internal marker: the iteration has not decided yet (never returned).
@@ -109,8 +140,9 @@ class Solution(NamedTuple):
         residual_norm: the true residual norm `||b - A x||` at return.
         history: with `record_history=True`, the solver's own residual norm
             per iteration (NaN-padded to a static length); else `None`.
-        recycle: `gcrot` only: the recycled space `RecycleSpace(C, U)` for the
-            next solve of a sequence (`gcrot(..., recycle=sol.recycle)`); else
+        recycle: with recycling (`gcrot`, or `pcg` with `recycle_size=` or
+            `recycle=`): the recycled space `RecycleSpace(C, U)` for the next
+            solve of a sequence (`gcrot(..., recycle=sol.recycle)`); else
             `None`.
     """
 
@@ -125,30 +157,39 @@ class Solution(NamedTuple):
     @property
     def message(self) -> str:
         """Host-side, human-readable status (concrete values only)."""
-        return describe(self.status)
+        return describe(self.status, dtype=_real_dtype(self.residual_norm))
 
     def check(self) -> Solution:
-        """Host-side: return `self` if every solve converged, else raise `RuntimeError`."""
+        """Host-side: return `self` if every solve converged (or stopped at
+        its precision's `FLOOR`), else raise `RuntimeError`."""
         return checked(self)
 
 
-def describe(status, messages=None) -> str:
+def describe(status, messages=None, dtype=None) -> str:
     """Host-side: the messages of the (concrete, possibly batched) status codes
-    (`messages`: replacements for some statuses' messages)."""
+    (`messages`: replacements for some statuses' messages; `dtype`: the
+    solve's, which picks the advice)."""
     codes = np.atleast_1d(np.asarray(status))
     messages = messages or {}
-    return "; ".join(sorted({messages.get(Status(int(c)), Status(int(c)).message)
+    return "; ".join(sorted({messages.get(Status(int(c)), message(c, dtype))
                              for c in codes}))
 
 
+def _real_dtype(value):
+    dtype = getattr(value, "dtype", None)
+    return None if dtype is None else np.finfo(dtype).dtype
+
+
 def checked(result):
-    """Host-side: `result` if every solve in it converged, else `RuntimeError`."""
-    if not bool(np.all(np.asarray(result.converged))):
+    """Host-side: `result` if every solve in it converged or stopped at the
+    precision's floor (`Status.FLOOR`), else `RuntimeError`."""
+    ok = np.asarray(result.converged) | (np.asarray(result.status) == int(Status.FLOOR))
+    if not bool(np.all(ok)):
         raise RuntimeError(f"solvax: solve did not converge: {result.message}")
     return result
 
 
-def final_status(loop_status, true_ok, true_norm):
+def final_status(loop_status, true_ok, true_norm, inconsistent=False):
     """The one rule turning a loop's state and the true residual into a `Status`.
 
     Args:
@@ -157,18 +198,25 @@ def final_status(loop_status, true_ok, true_norm):
             of steps).
         true_ok: the true residual meets the tolerance.
         true_norm: the true residual norm.
+        inconsistent: no `x` can meet the tolerance: `b`'s component in the
+            null space of a singular operator exceeds it (`null_component`).
+
+    A loop whose own test passed while the true residual does not meet the
+    tolerance stopped at the precision's `FLOOR` (the two residuals differ by
+    rounding alone).
     """
     nonfinite = (loop_status == code(Status.NONFINITE)) | ~jnp.isfinite(true_norm)
     return first_status([(nonfinite, Status.NONFINITE), (true_ok, Status.CONVERGED),
-                         (loop_status == code(Status.CONVERGED), Status.STAGNATION),
+                         (inconsistent, Status.INCONSISTENT),
+                         (loop_status == code(Status.CONVERGED), Status.FLOOR),
                          (loop_status == RUNNING, Status.MAX_STEPS)], loop_status)
 
 
 def make_solution(x, loop_status, iterations, true_norm, tol, history=None,
-                  recycle=None) -> Solution:
+                  recycle=None, inconsistent=False) -> Solution:
     """Assemble a `Solution` from the true residual norm and the tolerance."""
     true_ok = jnp.isfinite(true_norm) & (true_norm <= tol)
-    status = final_status(loop_status, true_ok, true_norm)
+    status = final_status(loop_status, true_ok, true_norm, inconsistent)
     return Solution(
         x=x,
         status=status,

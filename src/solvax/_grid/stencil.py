@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core import checks
+from . import facts
 
 BOUNDARIES = ("dirichlet", "neumann", "periodic")
 _PAD_MODE = {"neumann": "edge", "periodic": "wrap"}
@@ -51,22 +52,24 @@ class StencilOperator:
     """
 
     def __init__(self, entries: dict, shape: tuple, boundary: tuple, axis_names: tuple = None,
-                 symmetric: bool = False):
+                 symmetric: bool = False, singular: bool | None = None):
         self.stored = entries
         self.shape = shape
         self.boundary = boundary
         self.axis_names = axis_names or (None,) * len(shape)
         self.symmetric = symmetric
+        self.singular = singular  # known by construction (`null_vector`); None: test it
 
     def tree_flatten(self):
         offsets = tuple(self.stored)
         return (tuple(self.stored[o] for o in offsets),
-                (offsets, self.shape, self.boundary, self.axis_names, self.symmetric))
+                (offsets, self.shape, self.boundary, self.axis_names, self.symmetric,
+                 self.singular))
 
     @classmethod
     def tree_unflatten(cls, aux, leaves):
-        offsets, shape, boundary, axis_names, symmetric = aux
-        return cls(dict(zip(offsets, leaves)), shape, boundary, axis_names, symmetric)
+        offsets, shape, boundary, axis_names, symmetric, singular = aux
+        return cls(dict(zip(offsets, leaves)), shape, boundary, axis_names, symmetric, singular)
 
     @property
     def ndim(self) -> int:
@@ -129,7 +132,20 @@ class StencilOperator:
         coefficients rounded to bfloat16's 3 digits once, here)."""
         stored = {o: jnp.asarray(c).astype(dtype) for o, c in self.stored.items()}
         return StencilOperator(stored, self.shape, self.boundary, self.axis_names,
-                               self.symmetric)
+                               self.symmetric, self.singular)
+
+    def is_symmetric(self) -> bool | None:
+        """Whether `A^T = A` (True when stored by half), or None where it
+        cannot be told (`facts.symmetric`)."""
+        return True if self.symmetric else facts.symmetric(self)
+
+    def null_vector(self, dtype):
+        """The constant grid of `dtype` where it spans the null space of both
+        `A` and `A^T` (periodic or pure Neumann boundaries and no shift: then
+        `A x = b` is solvable only for `b` of zero mean); else None, also
+        where it cannot be told (`facts.annihilates_constants`)."""
+        singular = facts.annihilates_constants(self) if self.singular is None else self.singular
+        return jnp.ones(self.shape, dtype) if singular else None
 
     def diagonal(self):
         """The operator's diagonal (the centre entry), an array of the grid's shape."""
@@ -437,7 +453,15 @@ def diffusion_operator(k: Any, *, shape: tuple | None = None, spacing: Any = 1.0
         entries[offset] = (-faces[1] * scale * inside).astype(dtype)
         centre = centre + (faces[1] + faces[-1]) * scale
     entries[(0,) * ndim] = centre.astype(dtype)
-    return StencilOperator(entries, shape, bounds, names, symmetric=True)
+    # constants are the null space (whatever `k`, traced too) exactly when no
+    # axis is Dirichlet and there is no shift: every row then sums to zero
+    if "dirichlet" in bounds:
+        singular = False
+    elif isinstance(shift, jax.core.Tracer):
+        singular = None
+    else:
+        singular = not np.any(np.asarray(shift) != 0)
+    return StencilOperator(entries, shape, bounds, names, symmetric=True, singular=singular)
 
 
 def _face_coefficients(kc, axis: int, boundary: str, name=None) -> dict:

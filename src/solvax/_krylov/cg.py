@@ -231,7 +231,10 @@ def pcg(
             tolerances, a negative `max_steps`, an unknown `method` or
             `basis`, `s < 1`, a `spectrum` that is not `0 <= lmin < lmax`, or
             `residual_replacement`, `s`, `basis`, `spectrum` with a method
-            that does not take them.
+            that does not take them; a `matvec` or `precond` that can tell it
+            is not symmetric (`is_symmetric()`: a `StencilOperator` with
+            concrete coefficients, a multigrid cycle of a nonsymmetric
+            stencil or an F-cycle).
 
     References: A. T. Chronopoulos and C. W. Gear, "s-step iterative methods
     for symmetric linear systems", J. Comput. Appl. Math. 25 (1989);
@@ -243,6 +246,7 @@ def pcg(
     subspace methods", SIAM J. Matrix Anal. Appl. 35 (2014).
     """
     checks.check_flag("single_reduction", single_reduction)
+    checks.check_symmetric("pcg", matvec, precond)
     if method is None:
         method = "single_reduction" if single_reduction else "standard"
     checks.check_choice("method", method, METHOD_NAMES)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from .._core import contract, reduce, tree
 from .._core.contract import Outcome, Problem
 from .._core.solution import RUNNING, Status, first_status
-from .steps import masked_div
+from .steps import DIVERGENCE, masked_div
 
 PyTree = Any
 
@@ -28,6 +28,7 @@ class Scalars(NamedTuple):
     rr: jax.Array  # its <r, r> and
     curvature: jax.Array  # its <p, A p> (with gamma, tol2) say why (`stop_reason`)
     history: jax.Array | None  # recursive residual norm per step (if recorded)
+    cap2: jax.Array  # DIVERGENCE^2 times the first step's <r, r> (inf before it)
 
 
 class Standard(NamedTuple):
@@ -60,12 +61,14 @@ class Context(NamedTuple):
     ell: int = 0  # deflated CG: the directions kept for the next space
 
 
-def may_go(rr, gamma, tol2):
-    """`tol2 < rr < inf` and `0 < gamma < inf`: comparisons only (false for NaN).
-    Without a preconditioner `gamma` is `rr` (the same value), and `tol2 >= 0`
-    (a square) makes the first test imply the second: two comparisons, each
-    one instruction a TPU's scalar unit runs per step."""
-    below = (tol2 < rr) & (rr < jnp.inf)
+def may_go(rr, gamma, tol2, cap2):
+    """`tol2 < rr < cap2` and `0 < gamma < inf`: comparisons only (false for
+    NaN). `cap2` (the divergence stop: `DIVERGENCE^2` times the first step's
+    `<r, r>`, or inf) is finite or inf, so `rr < cap2` also tests that `rr`
+    is finite. Without a preconditioner `gamma` is `rr` (the same value), and
+    `tol2 >= 0` (a square) makes the first test imply the second: two
+    comparisons, each one instruction a TPU's scalar unit runs per step."""
+    below = (tol2 < rr) & (rr < cap2)
     return below if gamma is rr else below & (0 < gamma) & (gamma < jnp.inf)
 
 
@@ -73,13 +76,15 @@ def top_of_step(sc: Scalars, ctx: Context, rr, gamma):
     """The stopping threshold and history, updated from the reduced values at
     the top of a step, and whether the step may go on (`may_go`)."""
     tol2 = sc.tol2
+    first = sc.k == 0
     if ctx.tol_from_rr:
-        tol2 = jnp.where(sc.k == 0, contract.squared_threshold(rr, ctx.rtol, ctx.atol), tol2)
+        tol2 = jnp.where(first, contract.squared_threshold(rr, ctx.rtol, ctx.atol), tol2)
+    cap2 = jnp.where(first, DIVERGENCE**2 * rr, sc.cap2)
     history = sc.history
     if history is not None:
         history = history.at[sc.k].set(reduce.real_sqrt(rr))
-    return sc._replace(tol2=tol2, history=history), may_go(rr, gamma, tol2) & (
-        sc.k < ctx.max_steps)
+    return sc._replace(tol2=tol2, cap2=cap2, history=history), may_go(
+        rr, gamma, tol2, cap2) & (sc.k < ctx.max_steps)
 
 
 def goes(go, curvature):
@@ -89,15 +94,22 @@ def goes(go, curvature):
 
 def stop_reason(sc: Scalars):
     """Why a step that did not go on stopped, in order: non-finite values,
-    convergence, a non-positive-definite preconditioner or operator.
+    convergence, divergence (the residual grew to `DIVERGENCE` times its
+    start), a curvature breakdown at the rounding floor (`<r, r>` down by
+    `eps` from its start: `FLOOR`, not the operator), a non-positive-definite
+    preconditioner or operator.
 
     Evaluated once after the loop from the last step's carried values, not in
     every step: the loop itself decides with comparisons only (`may_go`,
     `goes`), and when only `x` is used the compiler drops this altogether.
     """
+    eps = jnp.finfo(sc.rr.dtype).eps
+    breakdown = (sc.gamma <= 0) | jnp.isfinite(sc.curvature)
     return first_status([(~(jnp.isfinite(sc.rr) & jnp.isfinite(sc.gamma)), Status.NONFINITE),
                          (sc.rr <= sc.tol2, Status.CONVERGED),
-                         ((sc.gamma <= 0) | jnp.isfinite(sc.curvature), Status.INDEFINITE)],
+                         (sc.rr >= sc.cap2, Status.DIVERGED),
+                         (breakdown & (DIVERGENCE**2 * sc.rr <= eps * sc.cap2), Status.FLOOR),
+                         (breakdown, Status.INDEFINITE)],
                         Status.NONFINITE)
 
 
@@ -239,7 +251,8 @@ def start(problem: Problem, ctx: Context, real, max_steps: int, record_history: 
     one = jnp.ones((), real)
     history = problem.history(max_steps + 1, record_history)
     sc = Scalars(gamma=one, alpha=jnp.full((), jnp.inf, real), tol2=tol2, k=jnp.int32(0),
-                  go=jnp.bool_(True), rr=one, curvature=one, history=history)
+                  go=jnp.bool_(True), rr=one, curvature=one, history=history,
+                  cap2=jnp.full((), jnp.inf, real))
     return x, r, sc
 
 
@@ -248,7 +261,7 @@ def finished(sc: Scalars, x, max_steps: int, stalled=False) -> Outcome:
     pipelined CG's confirmation found no progress)."""
     # Every step run updated x, except the last one, which stopped the loop.
     taken = sc.k - (~sc.go).astype(jnp.int32)
-    at_limit = (sc.k > max_steps) & may_go(sc.rr, sc.gamma, sc.tol2)
+    at_limit = (sc.k > max_steps) & may_go(sc.rr, sc.gamma, sc.tol2, sc.cap2)
     status = first_status([(sc.go | at_limit, RUNNING), (stalled, Status.STAGNATION)],
                           stop_reason(sc))
     return Outcome(x=x, status=status, iterations=taken, history=sc.history)

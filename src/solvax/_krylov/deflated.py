@@ -82,7 +82,8 @@ def run_deflated(problem: Problem, ctx: Context, real, record_history: bool, k: 
     one = jnp.ones((), real)
     sc = Scalars(gamma=one, alpha=one, tol2=tol2, k=jnp.int32(0), go=jnp.bool_(True),
                   rr=one, curvature=one,
-                  history=problem.history(ctx.max_steps + 1, record_history))
+                  history=problem.history(ctx.max_steps + 1, record_history),
+                  cap2=jnp.full((), jnp.inf, real))
     P = tree.basis_alloc(problem.b, ell + 1)
     state = _Deflated(x=x, r=r, p=tree.zeros_like(r), P=P, Q=P,
                       curvatures=jnp.zeros((ell + 1,), real), sc=sc)

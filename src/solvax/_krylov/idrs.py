@@ -16,7 +16,7 @@ from .._core.contract import Outcome, Problem
 from .._core.dense import mm, solve_triangular
 from .._core.options import documented
 from .._core.registry import Row, Variant, register_solver
-from .._core.solution import RUNNING, Solution, Status, first_status
+from .._core.solution import RUNNING, Solution, Status, code, first_status
 from . import steps
 from .steps import masked_div, negligible, nonzero
 
@@ -39,6 +39,7 @@ class _State(NamedTuple):
     go: jax.Array
     status: jax.Array
     history: jax.Array | None
+    start: jax.Array  # squared true residual the round started from (inf at the start)
 
 
 class _Context(NamedTuple):
@@ -205,17 +206,49 @@ def _run(problem: Problem, *, s: int, seed: tuple, angle: float, max_steps: int 
     ctx = _Context(A=problem.A, M=problem.precond or (lambda v: v), ip=ip, P=P, s=s,
                    angle=angle, tol2=tol2, max_steps=max_steps)
     dtype = tree.result_dtype(b)
-    zeros = tuple(tree.zeros_like(b) for _ in range(s))
-    state = _State(x=x, r=r, G=zeros, U=zeros,
-                   Mp=jnp.eye(s, dtype=dtype), f=f[0].astype(dtype),
-                   omega=jnp.ones((), dtype), k=jnp.int32(0), go=jnp.bool_(True),
-                   status=jnp.int32(RUNNING),
-                   history=problem.history(max_steps + 1, record_history))
-    state = steps.while_loop(ip, b, lambda st: st.go, functools.partial(_cycle, ctx=ctx),
-                               state)
+    state = _restarted(None, x, r, f[0].astype(dtype), s, dtype)._replace(
+        history=problem.history(max_steps + 1, record_history))
+    state = steps.while_loop(ip, b, lambda st: st.go,
+                             functools.partial(_confirmed_round, ctx=ctx, b=b), state)
     return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history)
 
 
+def _restarted(st: _State | None, x, r, f, s: int, dtype) -> _State:
+    """A fresh IDR space at `(x, r)` with `f = P^H r` (the start, or a restart
+    from the true residual; `st`: the state it continues, for `k` and the
+    history)."""
+    zeros = tuple(tree.zeros_like(r) for _ in range(s))
+    fresh = _State(x=x, r=r, G=zeros, U=zeros, Mp=jnp.eye(s, dtype=dtype), f=f,
+                   omega=jnp.ones((), dtype), k=jnp.int32(0), go=jnp.bool_(True),
+                   status=jnp.int32(RUNNING), history=None,
+                   start=jnp.full((), jnp.inf, jnp.finfo(dtype).dtype))
+    return fresh if st is None else fresh._replace(k=st.k, history=st.history)
+
+
+def _confirmed_round(st: _State, ctx: _Context, b) -> _State:
+    """Cycles until IDR's own test stops them, then the stop confirmed on the
+    true residual: where its own residual met the tolerance, `r = b - A x`
+    (one matvec) and `P^H r` with `<r, r>` (one reduction). The true one
+    meeting it ends the solve; one that fell below half of the last round's
+    own starts another round from it (a fresh IDR space: the recursive
+    residual of IDR(s) drifts from the true one by the rounding of the
+    largest residuals it passed, measured 34x the tolerance of 1e-10 on a
+    rotating-wind convection-diffusion 96^2 with `b = 1`); else the round's
+    own stop stands (`FLOOR`, decided by the driver). The restart is computed
+    every round and selected where it is taken: no conditional."""
+    st = jax.lax.while_loop(lambda st: st.go, functools.partial(_cycle, ctx=ctx), st)
+    own = st.status == code(Status.CONVERGED)
+    with jax.named_scope("solvax.idrs.restart"):
+        r = tree.sub(b, ctx.A(st.x))
+        f, (rr,) = ctx.ip.project_many(ctx.P, [r], [(r, r)])
+    rr = jnp.real(rr)
+    again = own & (rr > ctx.tol2) & (rr < 0.25 * st.start) & (st.k < ctx.max_steps)
+    fresh = _restarted(st, st.x, r, f[0].astype(st.f.dtype), ctx.s, st.f.dtype)
+    out = tree.where(again, fresh._replace(start=rr), st)
+    return out._replace(status=jnp.where(again, out.status, st.status))
+
+
+IDRS = driver.register(contract.Method("idrs", _run))
 IDRS = driver.register(contract.Method("idrs", _run))
 
 
@@ -329,12 +362,15 @@ def idrs(
                          record_history=record_history)
 
 
+
 # Counts: the scale, the setup's [P^H r, ||r||^2, ||b||^2], one per matvec: s + 1
-# per cycle (the loop body is the unrolled cycle). The tests run s = 2: the code
+# per cycle (the loop body is the unrolled cycle), and one per round around the
+# cycles (the confirmation's [P^H r, ||r||^2] of the true residual: `per
+# iteration` counts it with the cycle's). The tests run s = 2: the code
 # paths of the default s = 4 (pinned by the table and
 # tests/test_short_recurrence.py) at about half the compile time.
 register_solver(idrs, nonsymmetric=True, newton=True,
-                variants=(Variant("idrs", {"s": 2}, "idrs", (5, 10, 3)),), rows=(
+                variants=(Variant("idrs", {"s": 2}, "idrs", (6, 12, 4)),), rows=(
     Row("IDR(4)", {"s": 4}),
     Row("shard_map: IDR(4) (axis_name)", {"s": 4}, "shard_map"),
     Row("pytree IDR(4), P('i') + P(None,'i') leaves", {}, "pytree"),

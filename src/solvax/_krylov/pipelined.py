@@ -108,7 +108,7 @@ def _confirmed_step(st: Pipelined, ctx: Context) -> Pipelined:
     # for (measured: a negative curvature on SPD Poisson 128^2 at 1e-5, and
     # an x worse than 0), so the round restarts from x; the step after the
     # restart, from directly computed vectors, decides INDEFINITE.
-    drifted = stopped & (sc.rr > sc.tol2) & jnp.isfinite(sc.rr) & jnp.isfinite(sc.gamma)
+    drifted = stopped & (sc.rr > sc.tol2) & (sc.rr < sc.cap2) & jnp.isfinite(sc.gamma)
     progressed = sc.go & st.checks.progressed(sc.rr)
     confirmed = st.checks.after_step(stopped & (sc.rr <= sc.tol2) | drifted | progressed,
                                      sc.rr, sc.tol2)

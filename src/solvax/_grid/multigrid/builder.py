@@ -3,6 +3,8 @@ hierarchy, the coarsest level's treatment and the storage precision."""
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 
@@ -187,6 +189,10 @@ def multigrid(operator: StencilOperator, *, cycle: str = "V", smoother: str = "j
         raise ValueError(f"`semicoarsening` must be in (0, 1]; got {semicoarsening!r}.")
     if not 0 < float(chebyshev_lower) < 1:
         raise ValueError(f"`chebyshev_lower` must be in (0, 1); got {chebyshev_lower!r}.")
+    if operator.is_symmetric() is False:
+        warnings.warn("multigrid: the operator is not symmetric, so its cycle is not a "
+                      "preconditioner for `pcg` (which refuses it); use it with `gmres` or "
+                      "`bicgstab`.", UserWarning, stacklevel=2)
     dtype, storage_dtype, narrowed = _precisions(operator, dtype, storage_dtype)
     shards, one_device = _placement(operator, shards)
     # a preconditioner changes how a solve gets there, not where: the

@@ -44,6 +44,14 @@ class Multigrid:
         cycle, smoother, steps, lower, dtype = aux
         return cls(levels, coarse_solve, cycle, smoother, steps, lower, dtype, tail)
 
+    def is_symmetric(self) -> bool | None:
+        """Whether the cycle is a symmetric operator (what CG needs of a
+        preconditioner): V and W cycles of a symmetric operator are; an
+        F-cycle is not. None where the operator cannot tell (traced)."""
+        if self.cycle == "F":
+            return False
+        return self.explicit[0].op.is_symmetric()
+
     @property
     def levels(self) -> list:
         """Every level, finest first, each on its own grid."""
