@@ -4,6 +4,7 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 from helpers import entry_point_env
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
@@ -14,6 +15,11 @@ def run(script, *args, cwd=None):
                           text=True, env=entry_point_env(), timeout=600, check=True,
                           cwd=cwd).stdout
 
+
+
+# Each example runs as a script in a fresh process: CI's stage for entry
+# points (`pytest -m benchmark`), not the README's test command.
+pytestmark = pytest.mark.benchmark
 
 def test_poisson_sharded_prints_its_collectives():
     out = run("poisson_sharded.py", "--n", "64")

@@ -33,6 +33,7 @@ def single_process_counts():
     return counts
 
 
+@pytest.mark.benchmark  # fresh processes: CI's entry-point stage
 def test_two_processes_match_one_process(tmp_path):
     result = distributed.launch(WORKER, num_processes=2, local_devices=4, timeout=300,
                                 output_dir=str(tmp_path))
@@ -48,6 +49,7 @@ def test_two_processes_match_one_process(tmp_path):
             assert {k: got[k] for k in expected[name]} == expected[name], (name, got)
 
 
+@pytest.mark.benchmark  # fresh processes: CI's entry-point stage
 def test_a_dead_peer_ends_the_job_quickly(tmp_path):
     """One worker exits right after initialization; the survivor's collective
     must not hang. With a configurable heartbeat (jax >= 0.5; 10 s here) the
@@ -81,6 +83,7 @@ def _is_worker(pid: str) -> bool:
     return WORKER.encode() in cmdline
 
 
+@pytest.mark.benchmark  # fresh processes: CI's entry-point stage
 def test_launcher_kills_at_the_deadline(tmp_path):
     """Workers still running at the deadline are killed, and what they printed
     is in the report. The workers print, then write their pid file, then
@@ -113,6 +116,7 @@ def test_workers_get_a_clean_environment(tmp_path, monkeypatch):
         assert "127.0.0.1:" in w.output_tail
 
 
+@pytest.mark.benchmark  # fresh processes: CI's entry-point stage
 def test_example_runs_locally():
     import subprocess
     import sys
