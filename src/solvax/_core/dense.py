@@ -38,6 +38,8 @@ import numpy as np
 from jax import lax
 from jax.scipy.linalg import solve_triangular as _library_triangular
 
+from . import target
+
 #: The precision every small dense product states.
 PRECISION = lax.Precision.HIGHEST
 
@@ -69,7 +71,7 @@ def emulated(dtype) -> bool:
     `dtype`: float64 on a TPU (`jax.default_backend()`, where `jit` places a
     computation with no committed input), or anywhere inside `portable()`."""
     wide = jnp.dtype(dtype) in (jnp.dtype(jnp.float64), jnp.dtype(jnp.complex128))
-    return wide and (_FORCED[0] or jax.default_backend() == "tpu")
+    return wide and (_FORCED[0] or target.platform() == "tpu")
 
 
 # ----------------------------------------------------------- the public forms
@@ -162,7 +164,7 @@ def svd_lowers(dtype) -> bool:
     float64 SVD of the same matrix compiles (for about 40 s) and runs.
     Inside `portable()` the CPU takes the TPU's side of the rule."""
     narrow = jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.complex64))
-    tpu = _FORCED[0] or jax.default_backend() == "tpu"
+    tpu = _FORCED[0] or target.platform() == "tpu"
     return not (narrow and tpu and jax.config.jax_enable_x64)
 
 

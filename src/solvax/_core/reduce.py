@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import checks, dense, tree
+from . import checks, dense, target, tree
 from .closure import axes_communicated, close
 from .dense import PRECISION
 
@@ -189,8 +189,8 @@ def stacks_products(backend: str | None = None, devices: int | None = None) -> b
     `backend` and `devices` default to JAX's default backend and its device
     count (the target a `jit` without explicit devices compiles for).
     """
-    backend = jax.default_backend() if backend is None else backend
-    devices = jax.device_count(backend) if devices is None else devices
+    backend = target.platform() if backend is None else backend
+    devices = target.devices() if devices is None else devices
     if devices == 1:
         return False
     return backend == "cpu" or not MERGES_ALL_REDUCES
@@ -208,7 +208,7 @@ def sums_in_sequence(devices: int | None = None) -> bool:
     more than 120 s, and in 27 s in sequence (`benchmarks/results/tpu.md`).
     Under `jit` on a mesh they stay independent: a chain would keep XLA's
     combiner from merging their all-reduces into one synchronization."""
-    devices = jax.device_count() if devices is None else devices
+    devices = target.devices() if devices is None else devices
     return devices == 1
 
 
@@ -221,7 +221,7 @@ def reduces_before_loop(devices: int | None = None) -> bool:
     `jax.scipy`'s cg; an MG-CG solve one V-cycle fewer), and the other CG
     recurrences take their threshold from `||b||^2` before the loop
     (`benchmarks/results/tpu.md`). The same arithmetic either way."""
-    devices = jax.device_count() if devices is None else devices
+    devices = target.devices() if devices is None else devices
     return devices == 1
 
 
@@ -240,8 +240,8 @@ def reads_rows_in_use(backend: str | None = None, devices: int | None = None) ->
     a mesh (each branch would hold the step's all-reduce; the pinned count
     is one per reduction) nor on a CPU (XLA:CPU copies a sliced GEMV or
     GEMM operand before it). The same arithmetic either way."""
-    backend = jax.default_backend() if backend is None else backend
-    devices = jax.device_count(backend) if devices is None else devices
+    backend = target.platform() if backend is None else backend
+    devices = target.devices() if devices is None else devices
     return devices == 1 and backend == "tpu"
 
 

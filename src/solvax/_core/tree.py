@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import target
 from .dense import PRECISION
 
 PyTree = Any
@@ -179,7 +180,7 @@ def combines_by_gemm(backend: str | None = None) -> bool:
 
     `backend` defaults to JAX's default backend (the target of a `jit`
     without explicit devices)."""
-    backend = jax.default_backend() if backend is None else backend
+    backend = target.platform() if backend is None else backend
     return backend != "tpu"
 
 

@@ -170,7 +170,7 @@ def restarted(problem: Problem, arnoldi, *, m: int, max_restarts: int, record_hi
     state = steps.while_loop(problem.ip, problem.b, lambda st: st.status == RUNNING,
                                functools.partial(_cycle, problem=problem, arnoldi=arnoldi,
                                                  max_restarts=max_restarts, renew=renew),
-                               state)
+                               state, per_step=False)
     return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history,
                    residual=(state.rnorm, state.tol, state.xnorm),
                    recycle=state.space), state.first

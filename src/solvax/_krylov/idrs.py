@@ -209,7 +209,8 @@ def _run(problem: Problem, *, s: int, seed: tuple, angle: float, max_steps: int 
     state = _restarted(None, x, r, f[0].astype(dtype), s, dtype)._replace(
         history=problem.history(max_steps + 1, record_history))
     state = steps.while_loop(ip, b, lambda st: st.go,
-                             functools.partial(_confirmed_round, ctx=ctx, b=b), state)
+                             functools.partial(_confirmed_round, ctx=ctx, b=b), state,
+                             per_step=False)
     return Outcome(x=state.x, status=state.status, iterations=state.k, history=state.history)
 
 
@@ -236,7 +237,7 @@ def _confirmed_round(st: _State, ctx: _Context, b) -> _State:
     rotating-wind convection-diffusion 96^2 with `b = 1`); else the round's
     own stop stands (`FLOOR`, decided by the driver). The restart is computed
     every round and selected where it is taken: no conditional."""
-    st = jax.lax.while_loop(lambda st: st.go, functools.partial(_cycle, ctx=ctx), st)
+    st = steps.stepped(lambda st: st.go, functools.partial(_cycle, ctx=ctx), st)
     own = st.status == code(Status.CONVERGED)
     with jax.named_scope("solvax.idrs.restart"):
         r = tree.sub(b, ctx.A(st.x))

@@ -8,7 +8,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from .._core import contract, driver, reduce, tree
 from .._core.contract import Outcome, Problem
@@ -138,7 +137,7 @@ def _lanczos(st: _State, ctx: _Context, target) -> _State:
     def going(st):
         return (st.status == RUNNING) & (st.phibar > target) & (st.k <= ctx.max_steps)
 
-    return lax.while_loop(going, functools.partial(_step, ctx=ctx), st)
+    return steps.stepped(going, functools.partial(_step, ctx=ctx), st)
 
 
 def _round(rd: _Round, ctx: _Context, problem: Problem, tol) -> _Round:
@@ -194,7 +193,8 @@ def _run(problem: Problem, *, max_steps: int | None, record_history: bool) -> Ou
     rd = _Round(st=st, target=tol, true=(inf, tol, zero), status=code(RUNNING),
                 go=jnp.bool_(True))
     rd = steps.while_loop(ip, b, lambda rd: rd.go,
-                            functools.partial(_round, ctx=ctx, problem=problem, tol=tol), rd)
+                            functools.partial(_round, ctx=ctx, problem=problem, tol=tol), rd,
+                            per_step=False)
     st = rd.st
     return Outcome(x=st.x, status=rd.status, iterations=jnp.maximum(st.k - 1, 0),
                    history=st.history,

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._core import reduce, tree
+from .._core import reduce, target, tree
 
 #: The divergence stop: a solve whose residual norm grows to this many times
 #: its start's stops with `Status.DIVERGED` (communication-free: it reads
@@ -61,12 +61,37 @@ def negligible(product, *scales):
     return jnp.abs(product) <= bound
 
 
-def while_loop(ip: reduce.Reduction, like, cond: Callable, body: Callable, state):
+def while_loop(ip: reduce.Reduction, like, cond: Callable, body: Callable, state, *,
+               per_step: bool = True):
     """`lax.while_loop(cond, body, state)`, the state first typed as the loop
     will produce it (`ip.typed_like_results(state, like)`): inside `shard_map`
     a solve of independent per-shard systems reduces locally, and a loop's
-    carry must start with the type it ends with."""
-    return lax.while_loop(cond, body, ip.typed_like_results(state, like))
+    carry must start with the type it ends with. A loop of steps
+    (`per_step`) takes the target's form (`stepped`); a loop of rounds or
+    restarts, each holding a loop of steps, stays one test per pass."""
+    state = ip.typed_like_results(state, like)
+    return stepped(cond, body, state) if per_step else lax.while_loop(cond, body, state)
+
+
+def stepped(cond: Callable, body: Callable, state):
+    """`lax.while_loop(cond, body, state)` in the target's form
+    (`target.steps_per_test`): where that is k > 1 (a GPU), k steps in a
+    counted inner loop (a trip count XLA knows: no predicate copied to the
+    host) between two tests, each step's result selected only where `cond`
+    held before it, so the steps after the loop would have stopped change
+    nothing: `x`, the history and the counts are those of one test per
+    step. The selection is elementwise with a scalar predicate: it fuses
+    into the updates that produce the new state."""
+    k = target.steps_per_test()
+    if k == 1:
+        return lax.while_loop(cond, body, state)
+
+    def frozen(_, st):
+        new = body(st)
+        go = cond(st)
+        return jax.tree_util.tree_map(lambda n, o: jnp.where(go, n, o), new, st)
+
+    return lax.while_loop(cond, lambda st: lax.fori_loop(0, k, frozen, st), state)
 
 
 #: The largest fraction of its start's squared true residual a round of
@@ -190,6 +215,7 @@ def confirmed_rounds(ip: reduce.Reduction, like, state, *, checks: Callable, goi
     cost its matvec every step."""
     def round_(st):
         st = tree.where(checks(st).pending, restart(st), st)
-        return jax.lax.while_loop(going, step, st)
+        return stepped(going, step, st)
 
-    return while_loop(ip, like, lambda st: going(st) | checks(st).pending, round_, state)
+    return while_loop(ip, like, lambda st: going(st) | checks(st).pending, round_, state,
+                      per_step=False)

@@ -128,7 +128,7 @@ def _run(problem: Problem, *, solver, inner_dtype, inner_rtol: float, max_refine
                                       new, old)
 
     st = steps.while_loop(ip, b, lambda st: (st.status == RUNNING) & (st.k < max_refinements),
-                            body, st)
+                            body, st, per_step=False)
     return Outcome(x=st.x, status=st.status, iterations=st.k, history=st.history,
                    residual=(st.rnorm, tol, st.xnorm))
 

@@ -8,7 +8,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from ..._core import checks
+from ..._core import checks, target
 from ..stencil import StencilOperator
 from . import rule
 from .coarse import COARSE, DenseInverse, checked_coarse_size
@@ -245,7 +245,7 @@ def _placement(operator: StencilOperator, shards) -> tuple:
     device (`tail_plan`): said so by `shards`, or nowhere else to be (traced
     coefficients do not tell)."""
     if shards is None:
-        return shards_of(operator), jax.device_count() == 1
+        return shards_of(operator), target.one_device()
     if (not isinstance(shards, tuple | list) or len(shards) != operator.ndim
             or not all(isinstance(d, int) and d >= 1 for d in shards)):
         raise ValueError(f"`shards` must give, per grid axis, the number of devices splitting "

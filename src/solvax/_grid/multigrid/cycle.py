@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..._core import target
 from .coarse import CoarseSolve
 from .fusion import scan_unroll
 from .levels import Level, Tail, crop_grid, pad_grid
@@ -146,6 +147,8 @@ class Multigrid:
             e = e + below(left(e), "V")
         else:
             def visit(i, e):
+                if not target.branches_on_device():  # left(0) is rc: no branch
+                    return e + below(left(e), "W")
                 return e + below(jax.lax.cond(i > 0, left, lambda e: rc, e), "W")
 
             e = jax.lax.fori_loop(0, 2, visit, jnp.zeros_like(rc),

@@ -10,6 +10,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ..._core import target
+
 
 def computed(runtime_true, fn, *args):
     """`fn(*args)`, computed into memory before what reads it (on the CPU).
@@ -30,7 +32,7 @@ def computed(runtime_true, fn, *args):
     Elsewhere (GPU: a conditional's predicate goes to the host), and where
     `runtime_true` is None (no barrier asked: a grid that may be split
     across devices), `fn(*args)` as is."""
-    if runtime_true is None or jax.default_backend() != "cpu":
+    if runtime_true is None or not target.fusion_barriers():
         return fn(*args)
     flag = jax.lax.optimization_barrier(runtime_true)
     return jax.lax.cond(flag == flag, fn, functools.partial(_untaken, fn), *args)
@@ -49,21 +51,20 @@ def _untaken(fn, *args):
     return jax.tree_util.tree_map(jnp.zeros_like, out)
 
 
-def scan_unroll(length: int, backend: str | None = None) -> int:
-    """A loop's `unroll` over `length` levels (or visits): 1 (a loop) on the
-    CPU and on a TPU, whose chip runs a loop's control itself; on a GPU the
-    whole loop unrolled (a loop's predicate goes to the host there, once per
-    level and cycle, as `computed`'s conditional would). Unrolled on a TPU,
-    the tail's levels were compiled once each: the first call of a 4096^2
-    MG-CG took 75 s there. `backend`: JAX's default one unless given."""
-    backend = jax.default_backend() if backend is None else backend
-    return length if backend == "gpu" else 1
+def scan_unroll(length: int) -> int:
+    """A loop's `unroll` over `length` levels (or visits): the target's
+    (`target.loop_unroll`: 1, a loop, everywhere). Unrolled on a TPU, the
+    tail's levels were compiled once each (the first call of a 4096^2 MG-CG
+    took 75 s there); unrolled on a GPU, a W-cycle's program grew
+    exponentially with its levels, while a loop with a known trip count
+    keeps its predicate on the device there too."""
+    return target.loop_unroll(length)
 
 
 def repeated(step, times: int, x, loop: bool = True):
     """`step` applied `times` times to `x` (a pytree): with `loop`, a loop
     whose body is the step's code once, so a program does not grow with a
-    smoother's `steps` (unrolled where `scan_unroll` says: on a GPU);
+    smoother's `steps` (`scan_unroll`);
     without it, or for a single step, the steps called in turn."""
     if not loop or times <= 1:
         for _ in range(times):
