@@ -8,7 +8,7 @@ Runs, each in float32 and float64 (x64 on):
     nonsymmetric operators, an upwind convection-diffusion problem;
   * the float32 floor cases of issue 48 (diffusion, rtol 1e-5, below what
     float32 attains at 128^2): the status must name a precision floor
-    (STAGNATION / MAX_STEPS), never INDEFINITE / NONFINITE / BREAKDOWN, and
+    (FLOOR / STAGNATION / MAX_STEPS), never INDEFINITE / NONFINITE / BREAKDOWN, and
     the returned x is never worse than x0 = 0;
   * every structured direct solve against a dense NumPy solve;
   * the other preconditioners and multigrid variants (block Jacobi,
@@ -43,7 +43,7 @@ from problems import cell_relative_residual, cell_stencil  # noqa: E402
 
 import solvax as sx  # noqa: E402
 
-GOOD_FLOOR = ("STAGNATION", "MAX_STEPS")  # a precision floor, named as such
+GOOD_FLOOR = ("FLOOR", "STAGNATION", "MAX_STEPS")  # a precision floor, named as such
 
 
 # ------------------------------------------------------------------ problems

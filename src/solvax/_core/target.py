@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 
 import jax
 
@@ -95,7 +96,15 @@ def steps_per_test() -> int:
     device (CPU, TPU); on a GPU a counted inner loop of `GPU_STEPS_PER_TEST`
     steps (its trip count known to XLA: no predicate copied to the host),
     with the state frozen once the test fails, so that `x`, the history and
-    the iterations equal one test per step."""
+    the iterations equal one test per step. The environment variable
+    `SOLVAX_STEPS_PER_TEST` (a positive int, read when a solve is traced)
+    sets it on every target: how the GPU lane measures k = 1, 4, 8, 16."""
+    given = os.environ.get("SOLVAX_STEPS_PER_TEST")
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError("SOLVAX_STEPS_PER_TEST must be a positive integer (steps "
+                             f"between two convergence tests); got {given!r}.")
+        return int(given)
     return GPU_STEPS_PER_TEST if platform() == "gpu" else 1
 
 
