@@ -181,13 +181,8 @@ def main():
     p.add_argument("--workers", type=int, default=4, help="trust processes at a time")
     p.add_argument("--only", nargs="+", default=["trust", "speed", "multigrid"])
     args = p.parse_args()
-    import jax  # the parent only reads the device; the parts run in children
-
-    device = jax.devices()[0]
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "backend": jax.default_backend(),
-            "device": f"{device.platform}: {getattr(device, 'device_kind', '?')}",
-            "jax": jax.__version__, "solvax": _version()}
+            **_device(), "solvax": _version()}
     os.makedirs(args.out, exist_ok=True)
     out = {}
     parts = {"trust": (0.4, lambda b: trust(args.out, args.small, b, args.workers)),
@@ -198,6 +193,18 @@ def main():
             out[name] = part(share * args.budget)
             _write(args.out, meta, out)
     print(markdown(meta, out))
+
+
+def _device() -> dict:
+    """The backend, device and JAX version, read by a child that exits: the
+    parent never holds the device its parts run on (a TPU takes one program
+    at a time)."""
+    code = ("import json, jax; d = jax.devices()[0]; print(json.dumps({'backend': "
+            "jax.default_backend(), 'device': f\"{d.platform}: {getattr(d, 'device_kind', '?')}\", "
+            "'jax': jax.__version__}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _version() -> str:
