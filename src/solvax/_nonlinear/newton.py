@@ -221,7 +221,7 @@ def _step(opt: _Options, F, pre, ip, tol, st: _State) -> _State:
     unusable = (sol.status == code(Status.NONFINITE)) | (
         sol.status == code(Status.INVALID_TOLERANCE))
     failed = unusable | (sol.status == code(Status.BREAKDOWN)) | (
-        sol.status == code(Status.INDEFINITE))
+        sol.status == code(Status.INDEFINITE)) | (sol.status == code(Status.DIVERGED))
     trial = _line_search(opt, F, ip, st, sol.x, eta, ~unusable)
     accepted = trial.ok
     k = st.k + accepted.astype(jnp.int32)
