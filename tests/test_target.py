@@ -62,7 +62,8 @@ def test_the_gpu_form_is_the_same_solve():
     """Steps in counted inner loops of 8, frozen after the test fails: the
     same iterations, status and x as one test per step (every registered
     solver measured: bitwise but one-sync BiCGStab, 2e-15)."""
-    names = ["pcg", "pcg_pipelined", "pcg_s_step", "gmres", "bicgstab", "idrs", "minres"]
+    names = ["pcg", "pcg_pipelined", "pcg_pipelined_replacement", "pcg_s_step", "gmres",
+             "gcrot", "bicgstab", "idrs", "minres"]
     b = jnp.asarray(np.random.default_rng(0).standard_normal(64))
     cpu, gpu = _solves("cpu", names, b), _solves("gpu", names, b)
     for name in names:
@@ -83,6 +84,21 @@ def test_a_gpu_krylov_step_loop_has_a_known_trip_count_and_no_conditional():
         text, _ = _program(lambda b: sx.pcg(lambda x: 2.0 * x - 0.5 * jnp.roll(x, 1)
                                             - 0.5 * jnp.roll(x, -1), b).x, jnp.ones(64))
     assert f'"known_trip_count":{{"n":"{target.GPU_STEPS_PER_TEST}"}}' in text
+    assert "conditional(" not in text
+
+
+@pytest.mark.parametrize("name", ["pcg_pipelined_replacement", "pcg_s_step", "gcrot"])
+def test_a_gpu_program_has_no_conditional(name):
+    """The solvers whose loops held a conditional (residual replacement, the
+    s-step Ritz estimate, the recycled space's update) select instead in the
+    GPU's form; their CPU and TPU forms keep the conditional (measured
+    there, unchanged)."""
+    A = lambda x: 2.2 * x - 0.6 * jnp.roll(x, 1) - 0.4 * jnp.roll(x, -1)  # noqa: E731
+    S = lambda x: 2.2 * x - 0.5 * jnp.roll(x, 1) - 0.5 * jnp.roll(x, -1)  # noqa: E731
+    s = SOLVERS[name]
+    op = A if s.nonsymmetric else S
+    with target.forced("gpu", devices=1):
+        text, _ = _program(lambda b: s.solve(op, b).x, jnp.ones(64))
     assert "conditional(" not in text
 
 

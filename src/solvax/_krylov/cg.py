@@ -9,7 +9,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from .._core import checks, contract, driver, reduce, tree
+from .._core import checks, contract, driver, reduce, target, tree
 from .._core.contract import Outcome, Problem
 from .._core.options import documented
 from .._core.registry import Row, Variant, register_solver
@@ -30,7 +30,13 @@ from .cg_steps import (
     start,
 )
 from .deflated import DIRECTIONS_PER_SLOT, run_deflated
-from .pipelined import Pipelined, pipelined_rounds, pipelined_step, pipelined_with_replacement
+from .pipelined import (
+    Pipelined,
+    pipelined_rounds,
+    pipelined_step,
+    pipelined_with_replacement,
+    replaced_blocks,
+)
 
 
 def _initial_state(method: str, ctx: Context, x, r, sc: Scalars):
@@ -81,6 +87,9 @@ def _run(problem: Problem, *, method: str, max_steps: int | None, residual_repla
     confirmed = method == "pipelined" and not residual_replacement
     if confirmed:
         state = pipelined_rounds(state, ctx, problem.b)
+    elif method == "pipelined" and residual_replacement and not target.branches_on_device():
+        state = replaced_blocks(state, ctx, problem.b, residual_replacement, problem.ip,
+                                problem.b)
     else:
         state = steps.while_loop(problem.ip, problem.b, lambda st: st.sc.go,
                                    functools.partial(step, ctx=ctx), state)

@@ -93,6 +93,23 @@ def pipelined_with_replacement(st: Pipelined, ctx: Context, b, every: int) -> Pi
                     lambda s: _replace_residuals(s, ctx, b), lambda s: s, st)
 
 
+def replaced_blocks(st: Pipelined, ctx: Context, b, every: int, ip, like) -> Pipelined:
+    """`pipelined_with_replacement`'s loop where a conditional's index goes to
+    the host (a GPU, `target.branches_on_device`): blocks of `every` steps in
+    a counted loop, each step selected only while the loop goes on, then the
+    replacement, selected the same way. The replacement comes after the
+    same steps (`k` a multiple of `every`) as with one test per step, and
+    the loop tests once per block."""
+    def frozen(_, s):
+        return tree.where(s.sc.go, pipelined_step(s, ctx), s)
+
+    def block(s):
+        s = lax.fori_loop(0, every, frozen, s)
+        return tree.where(s.sc.go, _replace_residuals(s, ctx, b), s)
+
+    return steps.while_loop(ip, like, lambda s: s.sc.go, block, st, per_step=False)
+
+
 def _confirmed_step(st: Pipelined, ctx: Context) -> Pipelined:
     """A pipelined step whose stopping test is confirmed on the true residual
     (`steps.Confirmation`): a step whose own residual met the tolerance, or

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._core import tree
+from .._core import target, tree
 from .._core.dense import cholesky, eigh, mm, qr, solve_triangular
 
 PyTree = Any
@@ -244,6 +244,8 @@ def harmonic_space(ip, V, Z, H, used, k: int, old: RecycleSpace, go, E=None,
                          tree.basis_mix(D, (mm(E_, coeffs) - coeffs[:offset]).T))
         return tree.tree_map(lambda n, o: jnp.where(ok, n, o), RecycleSpace(C, U), old)
 
+    if not target.branches_on_device():  # a GPU: computed and selected, no conditional
+        return tree.tree_map(lambda n, o: jnp.where(go, n, o), update(None), old)
     return lax.cond(go, update, lambda _: old, None)
 
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._core import checks, contract, driver, reduce, tree
+from .._core import checks, contract, driver, reduce, target, tree
 from .._core.contract import Outcome, Problem
 from .._core.dense import eigh, eigvalsh, mm
 from .._core.solution import RUNNING, Status, code, first_status
@@ -297,8 +297,15 @@ def _interval(st: _State, ctx: _Context, XZ, finite, retry, rayleigh):
     # The largest Ritz value of a block settles within a few blocks; later
     # ones would cost two small eigensolves per step for little (measured:
     # 0.35x -> 0.30x jax.scipy's cg per iteration on the latency-bound mesh).
-    lmax = lax.cond(st.k < _RITZ_STEPS, lambda: jnp.maximum(st.lmax, jnp.where(
-        finite, _largest_ritz(G, N, ctx.eps), 0).astype(real)), lambda: st.lmax)
+    def ritz():
+        return jnp.maximum(st.lmax, jnp.where(finite, _largest_ritz(G, N, ctx.eps), 0)
+                           ).astype(real)
+
+    early = st.k < _RITZ_STEPS
+    # a GPU copies a conditional's index to the host: there the small
+    # eigensolve runs every block and is selected (`target.branches_on_device`)
+    lmax = (lax.cond(early, ritz, lambda: st.lmax) if target.branches_on_device()
+            else jnp.where(early, ritz(), st.lmax))
     lmax = jnp.where(retry, jnp.maximum(4 * st.lmax, 2 * rayleigh), lmax).astype(real)
     center = jnp.where(lmax > 0, 0.55 * lmax, st.half).astype(real)
     return center, center, lmax
