@@ -87,6 +87,24 @@ def test_a_gpu_krylov_step_loop_has_a_known_trip_count_and_no_conditional():
     assert "conditional(" not in text
 
 
+def test_a_gpu_f_cycle_with_its_tail_is_the_same_cycle():
+    """An F-cycle built inside `jit` (its coarse levels a padded tail, run by
+    moves) in the GPU's form: no conditional, the CPU form's correction to
+    rounding."""
+    n = 256
+    k = jnp.asarray(np.exp(np.random.default_rng(0).standard_normal((n, n))))
+    r = jnp.asarray(np.random.default_rng(1).standard_normal((n, n)))
+    out = {}
+    for form in ("cpu", "gpu"):
+        with target.forced(form, devices=1):
+            fn = jax.jit(lambda k, r: sx.multigrid(sx.diffusion_operator(k), cycle="F")(r))
+            if form == "gpu":
+                assert "conditional(" not in fn.lower(k, r).compile().as_text()
+            out[form] = np.asarray(fn(k, r))
+    np.testing.assert_allclose(out["gpu"], out["cpu"], rtol=0,
+                               atol=1e-13 * np.abs(out["cpu"]).max())
+
+
 @pytest.mark.parametrize("name", ["pcg_pipelined_replacement", "pcg_s_step", "gcrot"])
 def test_a_gpu_program_has_no_conditional(name):
     """The solvers whose loops held a conditional (residual replacement, the
@@ -103,7 +121,8 @@ def test_a_gpu_program_has_no_conditional(name):
 
 
 def test_gpu_cycles_are_loops_without_conditionals_and_linear_in_the_levels():
-    """V and W cycles in one GPU's form: no conditional, at most 1.3x the CPU
+    """V, W and F cycles in one GPU's form: no conditional (an F-cycle's
+    skipped visits run on a zero residual, its tail's moves select), at most 1.3x the CPU
     form's instructions, a W-cycle's program growing by about the same code
     per level (unrolled, the GPU form was exponential: 62,472 instructions
     at 1024^2 against 3,326 for the CPU's)."""
@@ -113,9 +132,9 @@ def test_gpu_cycles_are_loops_without_conditionals_and_linear_in_the_levels():
         return _program(lambda r: mg(r), jnp.ones((n, n)))
 
     with target.forced("cpu", devices=1):
-        cpu = {kind: cycle(128, kind)[1] for kind in ("V", "W")}
+        cpu = {kind: cycle(128, kind)[1] for kind in ("V", "W", "F")}
     with target.forced("gpu", devices=1):
-        for kind in ("V", "W"):
+        for kind in ("V", "W", "F"):
             text, size = cycle(128, kind)
             assert "conditional(" not in text and size <= 1.3 * cpu[kind], (kind, size, cpu)
         sizes = [cycle(n, "W")[1] for n in (64, 128, 256)]

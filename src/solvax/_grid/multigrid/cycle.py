@@ -167,11 +167,22 @@ class Multigrid:
                 return e + below(jax.lax.cond(i > 0, left, lambda e: rc, e), f & (i == 0))
             return jax.lax.cond((i == 0) | f, taken, lambda e: e, e)
 
-        return jax.lax.fori_loop(0, 2, visit, jnp.zeros_like(rc))
+        def selected(i, e):
+            # no conditional (a GPU: `target.branches_on_device`): left(0) is
+            # rc, and a skipped visit runs on a zero residual, whose
+            # correction is exactly zero (every step of a cycle is linear):
+            # a V-path level costs two visits, as a W-cycle's does
+            r = jnp.where((i == 0) | f, left(e), jnp.zeros_like(rc))
+            return e + below(r, f & (i == 0))
+
+        step = visit if target.branches_on_device() else selected
+        return jax.lax.fori_loop(0, 2, step, jnp.zeros_like(rc))
 
     def _tail_f_or_v(self, r, f):
         """The `Tail`'s part of an F-cycle (its moves) or of a V-cycle (its
         scans), chosen by the traced `f`."""
+        if not target.branches_on_device():  # both computed (small: the tail's levels)
+            return jnp.where(f, self._moving(r, "F"), self._tail_cycle(r, "V"))
         return jax.lax.cond(f, lambda r: self._moving(r, "F"),
                             lambda r: self._tail_cycle(r, "V"), r)
 
@@ -263,6 +274,10 @@ class Multigrid:
 
         def move(i, state):
             what, j = moves[i, 0], moves[i, 1]
+            if not target.branches_on_device():  # every kind computed, one selected
+                outs = [kind(j, *state) for kind in (down, solve, again, up)]
+                return jax.tree_util.tree_map(
+                    lambda *vs: jnp.select([what == w for w in range(4)], vs), *outs)
             return jax.lax.switch(what, (down, solve, again, up), j, *state)
 
         state = (stack, stack.at[0].set(r), stack)
