@@ -53,12 +53,17 @@ def test_forced_checks_its_arguments():
         assert target.platform() == "gpu" and target.one_device()
 
 
+def _operator(solver):
+    """A periodic 1-D three-point operator: nonsymmetric for the solvers that
+    take one, symmetric positive definite for the others."""
+    left = 0.6 if solver.nonsymmetric else 0.5
+    return lambda x: 2.2 * x - left * jnp.roll(x, 1) - (1 - left) * jnp.roll(x, -1)
+
+
 def _solves(form, names, b):
-    A = lambda x: 2.2 * x - 0.6 * jnp.roll(x, 1) - 0.4 * jnp.roll(x, -1)  # noqa: E731
-    S = lambda x: 2.2 * x - 0.5 * jnp.roll(x, 1) - 0.5 * jnp.roll(x, -1)  # noqa: E731
     with target.forced(form):
         return {name: jax.jit(lambda b, s=SOLVERS[name]: s.solve(
-            A if s.nonsymmetric else S, b, rtol=1e-10))(b) for name in names}
+            _operator(s), b, rtol=1e-10))(b) for name in names}
 
 
 def test_the_gpu_form_is_the_same_solve():
@@ -114,12 +119,9 @@ def test_a_gpu_program_has_no_conditional(name):
     s-step Ritz estimate, the recycled space's update) select instead in the
     GPU's form; their CPU and TPU forms keep the conditional (measured
     there, unchanged)."""
-    A = lambda x: 2.2 * x - 0.6 * jnp.roll(x, 1) - 0.4 * jnp.roll(x, -1)  # noqa: E731
-    S = lambda x: 2.2 * x - 0.5 * jnp.roll(x, 1) - 0.5 * jnp.roll(x, -1)  # noqa: E731
     s = SOLVERS[name]
-    op = A if s.nonsymmetric else S
     with target.forced("gpu", devices=1):
-        text, _ = _program(lambda b: s.solve(op, b).x, jnp.ones(64))
+        text, _ = _program(lambda b: s.solve(_operator(s), b).x, jnp.ones(64))
     assert "conditional(" not in text
 
 

@@ -43,8 +43,8 @@ class Status(enum.IntEnum):
 
 
 #: Each status's cause and its one fix (at most about 300 characters; the
-#: docs say more: `docs/troubleshooting.md`). `{precision}` is filled in by
-#: `message` from the solve's dtype.
+#: docs say more: `docs/troubleshooting.md`). `{dtype}`, `{floor}` and
+#: `{stagnation}` are filled in by `message` from the solve's dtype.
 _MESSAGES = {
     Status.CONVERGED: "converged: the true residual meets max(atol, rtol * ||b||)",
     Status.MAX_STEPS: "not converged: the iteration limit was reached first; precondition, "

@@ -245,8 +245,7 @@ def _confirmed_round(st: _State, ctx: _Context, b) -> _State:
     rr = jnp.real(rr)
     again = own & (rr > ctx.tol2) & (rr < 0.25 * st.start) & (st.k < ctx.max_steps)
     fresh = _restarted(st, st.x, r, f[0].astype(st.f.dtype), ctx.s, st.f.dtype)
-    out = tree.where(again, fresh._replace(start=rr), st)
-    return out._replace(status=jnp.where(again, out.status, st.status))
+    return tree.where(again, fresh._replace(start=rr), st)
 
 
 IDRS = driver.register(contract.Method("idrs", _run))

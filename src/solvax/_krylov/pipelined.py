@@ -100,14 +100,14 @@ def replaced_blocks(st: Pipelined, ctx: Context, b, every: int, ip, like) -> Pip
     replacement, selected the same way. The replacement comes after the
     same steps (`k` a multiple of `every`) as with one test per step, and
     the loop tests once per block."""
-    def frozen(_, s):
-        return tree.where(s.sc.go, pipelined_step(s, ctx), s)
+    def going(s):
+        return s.sc.go
 
     def block(s):
-        s = lax.fori_loop(0, every, frozen, s)
+        s = steps.frozen_steps(going, lambda s: pipelined_step(s, ctx), s, every)
         return tree.where(s.sc.go, _replace_residuals(s, ctx, b), s)
 
-    return steps.while_loop(ip, like, lambda s: s.sc.go, block, st, per_step=False)
+    return steps.while_loop(ip, like, going, block, st, per_step=False)
 
 
 def _confirmed_step(st: Pipelined, ctx: Context) -> Pipelined:

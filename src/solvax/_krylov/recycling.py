@@ -242,10 +242,10 @@ def harmonic_space(ip, V, Z, H, used, k: int, old: RecycleSpace, go, E=None,
         else:  # Zf g = W g + D (E g - g_C)
             U = tree.add(tree.basis_mix(W, jnp.pad(coeffs, ((0, 1), (0, 0))).T),
                          tree.basis_mix(D, (mm(E_, coeffs) - coeffs[:offset]).T))
-        return tree.tree_map(lambda n, o: jnp.where(ok, n, o), RecycleSpace(C, U), old)
+        return tree.where(ok, RecycleSpace(C, U), old)
 
     if not target.branches_on_device():  # a GPU: computed and selected, no conditional
-        return tree.tree_map(lambda n, o: jnp.where(go, n, o), update(None), old)
+        return tree.where(go, update(None), old)
     return lax.cond(go, update, lambda _: old, None)
 
 
@@ -325,4 +325,4 @@ def ritz_space(ip, U, C, P, Q, curvatures, k: int, old: RecycleSpace) -> Recycle
     y = jnp.where(wanted[None, :], s[:, None] * vectors, 0)
     ok = jnp.all(jnp.isfinite(y))
     new = RecycleSpace(tree.basis_mix(AZ, y.T), tree.basis_mix(Z, y.T))
-    return tree.tree_map(lambda n, o: jnp.where(ok, n, o), new, old)
+    return tree.where(ok, new, old)

@@ -85,13 +85,16 @@ def stepped(cond: Callable, body: Callable, state):
     k = target.steps_per_test()
     if k == 1:
         return lax.while_loop(cond, body, state)
+    return lax.while_loop(cond, lambda st: frozen_steps(cond, body, st, k), state)
 
+
+def frozen_steps(cond: Callable, body: Callable, state, k: int):
+    """`k` steps of `body` in a counted loop, each one's result selected only
+    where `cond` held before it: the steps after `cond` fails change nothing."""
     def frozen(_, st):
-        new = body(st)
-        go = cond(st)
-        return jax.tree_util.tree_map(lambda n, o: jnp.where(go, n, o), new, st)
+        return tree.where(cond(st), body(st), st)
 
-    return lax.while_loop(cond, lambda st: lax.fori_loop(0, k, frozen, st), state)
+    return lax.fori_loop(0, k, frozen, state)
 
 
 #: The largest fraction of its start's squared true residual a round of
